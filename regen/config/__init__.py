@@ -1,0 +1,100 @@
+"""Profiles: one YAML file in `data/profiles/<name>.yaml`, validated into typed sub-configs.
+
+Each stage receives only its sub-config (`profile.select`, `profile.generate`, ...). Command-line overrides
+use dotted keys: `--set select.total=300 --set generate.max_in_flight=64`; values parse as YAML scalars.
+Unknown keys are errors that name the key and the allowed ones.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from regen.config.generate import GenerateConfig
+from regen.config.render import RenderConfig
+from regen.config.select import SelectConfig
+from regen.config.serve import ServeConfig
+from regen.config.train import TrainConfig
+from regen.errors import InputError
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+PROFILE_DIR = REPO_ROOT / "data" / "profiles"
+
+
+class ProfileError(InputError):
+    """A profile that cannot be loaded: names the file, the field and what to do."""
+
+
+class Profile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    description: str = ""
+    seed: int = 0
+    select: SelectConfig = Field(default_factory=SelectConfig)
+    serve: ServeConfig = Field(default_factory=ServeConfig)
+    generate: GenerateConfig = Field(default_factory=GenerateConfig)
+    render: RenderConfig = Field(default_factory=RenderConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+
+
+def profile_path(name_or_path: str) -> Path:
+    """A profile name (`local`) -> `data/profiles/local.yaml`; an existing path is taken as is."""
+    p = Path(name_or_path)
+    if p.suffix in (".yaml", ".yml") and p.exists():
+        return p
+    candidate = PROFILE_DIR / f"{name_or_path}.yaml"
+    if candidate.exists():
+        return candidate
+    known = sorted(x.stem for x in PROFILE_DIR.glob("*.yaml"))
+    raise ProfileError(f"profile {name_or_path!r} not found: give one of {known} or a path to a .yaml file")
+
+
+def _set_dotted(tree: dict, dotted: str, value) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for k in keys[:-1]:
+        node = node.setdefault(k, {})
+        if not isinstance(node, dict):
+            raise ProfileError(f"override {dotted!r}: {k!r} is not a section")
+    node[keys[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, object]:
+    """`"select.total=300"` -> `("select.total", 300)`. Raises ProfileError without `=`."""
+    if "=" not in text:
+        raise ProfileError(f"override {text!r} must look like section.key=value, e.g. select.total=300")
+    key, raw = text.split("=", 1)
+    return key.strip(), yaml.safe_load(raw) if raw.strip() else ""
+
+
+def load_profile(name_or_path: str, overrides: list[str] | dict | None = None) -> Profile:
+    """Load and validate a profile, applying overrides (list of `key=value` or dict of dotted keys).
+
+    Raises ProfileError naming the file and each invalid field with the reason.
+    """
+    path = profile_path(name_or_path)
+    with open(path, encoding="utf-8") as f:
+        tree = yaml.safe_load(f) or {}
+    items = overrides.items() if isinstance(overrides, dict) else [parse_override(o) for o in overrides or []]
+    for key, value in items:
+        _set_dotted(tree, key, value)
+    try:
+        return Profile.model_validate(tree)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            loc = ".".join(str(x) for x in err["loc"])
+            lines.append(f"  {loc}: {err['msg']}")
+        raise ProfileError(f"profile {path}: invalid fields:\n" + "\n".join(lines)) from None
+
+
+def resolve_path(value: str | None) -> Path | None:
+    """Paths in profiles are relative to the repository root unless absolute; `~` and env vars expand."""
+    if value is None:
+        return None
+    import os
+
+    p = Path(os.path.expandvars(os.path.expanduser(value)))
+    return p if p.is_absolute() else REPO_ROOT / p

@@ -1,0 +1,108 @@
+"""`regen query`: DuckDB SQL over the views of a run directory.
+
+Views (each created only when its files exist):
+  prompts      prompts/part-*.parquet        prompt_id, category, language, source, num_turns, ...
+  rejected     rejected/*/part-*.parquet     stage, filter, reason, source, prompt_id, ...
+  generations  generations/part-*.parquet    prompt_id, turn, status, error_class, finish_reason, tokens, latency_s
+  samples      shards/shard-*.parquet        sample_id, prompt_id, category, num_tokens, num_loss_tokens (no ids)
+  shards       shards/manifest.json          one row per shard: path, rows, tokens, sha256
+
+The same statements are written to `<run>/views.sql`, so `duckdb -c ".read runs/x/views.sql"` gives the
+same views in the DuckDB shell.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import duckdb
+
+from regen.errors import InputError
+
+# view -> (glob relative to the run, SELECT over read_parquet(...) or read_json(...)); a literal registry.
+VIEWS: dict[str, tuple[str, str]] = {
+    "prompts": ("prompts/part-*.parquet", "SELECT * FROM read_parquet({files}, union_by_name=true)"),
+    "rejected": ("rejected/*/part-*.parquet", "SELECT * FROM read_parquet({files}, union_by_name=true)"),
+    "generations": (
+        "generations/part-*.parquet",
+        "SELECT * EXCLUDE (prompt_token_ids, completion_token_ids) FROM read_parquet({files}, union_by_name=true)",
+    ),
+    "samples": (
+        "shards/shard-*.parquet",
+        "SELECT * EXCLUDE (input_ids, loss_spans) FROM read_parquet({files}, union_by_name=true)",
+    ),
+    "shards": (
+        "shards/manifest.json",
+        "SELECT s.* FROM (SELECT unnest(shards) AS s FROM read_json({files}, maximum_object_size=1000000000))",
+    ),
+}
+
+
+def view_statements(run_root: Path) -> list[str]:
+    """CREATE VIEW statements for the views whose files exist under `run_root` (absolute paths)."""
+    statements = []
+    for name, (pattern, select) in VIEWS.items():
+        files = sorted(str(p) for p in run_root.glob(pattern))
+        if not files:
+            continue
+        literal = "[" + ", ".join("'" + f.replace("'", "''") + "'" for f in files) + "]"
+        statements.append(f"CREATE OR REPLACE VIEW {name} AS {select.format(files=literal)};")
+    return statements
+
+
+def connect(run_root: str | Path) -> duckdb.DuckDBPyConnection:
+    """An in-memory DuckDB connection with the run's views; also (re)writes `<run>/views.sql`.
+
+    Raises InputError when the run directory does not exist.
+    """
+    root = Path(run_root).resolve()
+    if not root.is_dir():
+        raise InputError(f"run directory {root} does not exist: run `regen select --run {run_root}` first")
+    con = duckdb.connect()
+    statements = view_statements(root)
+    for st in statements:
+        con.execute(st)
+    (root / "views.sql").write_text("\n".join(statements) + "\n", encoding="utf-8")
+    return con
+
+
+def query(run_root: str | Path, sql: str) -> tuple[list[str], list[tuple]]:
+    """Run `sql` over the run's views. Returns (column names, rows). Raises InputError on bad SQL."""
+    con = connect(run_root)
+    try:
+        cur = con.execute(sql)
+    except duckdb.Error as exc:
+        known = [r[0] for r in con.execute("SELECT view_name FROM duckdb_views() WHERE NOT internal").fetchall()]
+        raise InputError(f"query failed: {exc}\n  views in this run: {known}") from None
+    columns = [d[0] for d in cur.description] if cur.description else []
+    return columns, cur.fetchall()
+
+
+def print_table(columns: list[str], rows: list[tuple], title: str | None = None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for c in columns:
+        table.add_column(c)
+    for r in rows:
+        table.add_row(*["" if v is None else str(v) for v in r])
+    Console().print(table)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--run", required=True, help="run directory")
+    parser.add_argument("--json", action="store_true", help="print one JSON object per row")
+    parser.add_argument("sql", help='SQL over the views, e.g. "SELECT category, count(*) FROM prompts GROUP BY 1"')
+
+
+def main(args) -> int:
+    columns, rows = query(args.run, args.sql)
+    if args.json:
+        for r in rows:
+            sys.stdout.write(json.dumps(dict(zip(columns, r)), ensure_ascii=False, default=str) + "\n")
+    else:
+        print_table(columns, rows)
+    return 0

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Set up the project's environment in .venv/ (idempotent). Offline-safe apart from the package registries.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+  .venv/bin/pip install -q --upgrade pip
+fi
+# torch first and pinned: 2.13.0 is the CPU build on this machine's disk (a bare requirement pulls CUDA).
+.venv/bin/pip install -q torch==2.13.0
+.venv/bin/pip install -q -e '.[dev]'
