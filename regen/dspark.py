@@ -1,0 +1,597 @@
+"""The DSpark draft model: tap context path, MLA (or GQA) block backbone, Markov and confidence heads.
+
+Single-device code; parallelism is applied elsewhere (`regen.parallel`). Spec: shared/docs/dspark.md
+(DS = deepseek-ai/DeepSpec, TK/TS = the K3 MLA drafts; section numbers below are the spec's).
+
+Shape legend:
+    B  batch (sequences)            S  context length (tokens of the sequence)
+    N  anchors (blocks) per row     K  block_size slots (7): [anchor, MASK, ...]
+    Q  N*K block queries            H  draft hidden size (== target hidden size: embeddings are shared)
+    Ht target hidden size           T  number of taps (len(target_layer_ids))
+    V  vocabulary                   r  markov_rank
+    nh attention heads              R  rope dims (qk_rope_head_dim)
+
+Slot k (0-based here, 1-based `k` in the spec) of the block anchored at position a predicts x[a+k+1];
+its Markov "previous token" is x[a+k] (the anchor for slot 0; teacher-forced in training, the sampled draft
+token at inference, spec §3).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+FROZEN_PREFIXES = ("embed_tokens.", "lm_head.")
+
+
+@dataclass(frozen=True)
+class DSparkConfig:
+    """Every field serving needs (spec §8, K3 MLA style `k3_dspark`) plus the training knobs of §5.
+
+    `num_target_layers` is derived (= number of taps, the K3 meaning; DS uses it for the target's layer count,
+    which is `target_num_hidden_layers` here). Raises ValueError on an invalid combination.
+    """
+
+    model_type: str = "k3_dspark"
+    attention_type: str = "mla"  # "mla" (K3, spec §2 table) | "gqa" (DS/Qwen3 style)
+    block_size: int = 7
+    num_hidden_layers: int = 5  # draft layers
+    hidden_size: int = 7168
+    intermediate_size: int = 14336
+    num_attention_heads: int = 64
+    # MLA dims (spec §2 table); q_lora_rank 0 = plain q_proj
+    q_lora_rank: int = 1536
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    # GQA dims (attention_type "gqa")
+    num_key_value_heads: int = 8
+    head_dim: int = 128
+    rms_norm_eps: float = 1e-6
+    rope_parameters: dict = field(default_factory=lambda: {
+        "rope_type": "yarn", "rope_theta": 50000.0, "factor": 32.0, "original_max_position_embeddings": 32768,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0})
+    rope_interleave: bool = True
+    max_position_embeddings: int = 1048576
+    vocab_size: int = 163840
+    # target contract (spec §1, §8)
+    target_hidden_size: int = 7168
+    target_num_hidden_layers: int = 93
+    target_layer_ids: tuple[int, ...] = (7, 31, 47, 63, 87)
+    aux_hidden_stream: str = "prefix"  # "prefix" | "attn_res"
+    norm_convention: str = "final_norm"  # p_t = softmax(lm_head(final_norm(h_last))), spec §1
+    fc_norm: bool = False
+    mask_token_id: int = 163837
+    markov_rank: int = 256
+    markov_head_type: str = "vanilla"
+    enable_confidence_head: bool = True
+    confidence_head_with_markov: bool = True
+    eos_token_id: tuple[int, ...] = (163586,)
+    pad_token_id: int | None = 163839
+    embed_scale: float = 1.0  # Gemma-style targets scale embeddings by sqrt(H)
+    final_logit_softcapping: float | None = None
+    tie_word_embeddings: bool = False
+    # training (spec §5)
+    num_anchors: int = 512
+    loss_decay_gamma: float = 4.0
+
+    def __post_init__(self):
+        object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
+        eos = self.eos_token_id
+        object.__setattr__(self, "eos_token_id", tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),))
+        ids = self.target_layer_ids
+        if not ids or list(ids) != sorted(set(ids)):
+            raise ValueError(f"target_layer_ids {list(ids)} must be non-empty, unique and ascending (spec §8)")
+        if ids[0] < -1 or ids[-1] >= self.target_num_hidden_layers - 1:
+            raise ValueError(
+                f"target_layer_ids {list(ids)}: each id must be in [-1, {self.target_num_hidden_layers - 2}]; "
+                "a tap on the last layer is refused (its HF hidden state is already final-normed, spec §1)")
+        if self.attention_type not in ("mla", "gqa"):
+            raise ValueError(f"attention_type {self.attention_type!r}: use 'mla' or 'gqa'")
+        if self.aux_hidden_stream not in ("prefix", "attn_res"):
+            raise ValueError(f"aux_hidden_stream {self.aux_hidden_stream!r}: use 'prefix' or 'attn_res'")
+        if self.markov_head_type != "vanilla":
+            raise ValueError(f"markov_head_type {self.markov_head_type!r}: only 'vanilla' is supported (spec §3)")
+        if self.block_size < 1 or self.markov_rank < 0 or not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError("block_size >= 1, markov_rank >= 0 and 0 <= mask_token_id < vocab_size required")
+
+    @property
+    def num_target_layers(self) -> int:
+        """Number of taps (K3 meaning, spec §8)."""
+        return len(self.target_layer_ids)
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["target_layer_ids"] = list(self.target_layer_ids)
+        d["eos_token_id"] = list(self.eos_token_id)
+        d["num_target_layers"] = self.num_target_layers
+        d["architectures"] = ["DSparkDraft"]
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DSparkConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known - {"num_target_layers", "architectures"}
+        if unknown:
+            raise ValueError(f"unknown DSparkConfig fields {sorted(unknown)}")
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+    @classmethod
+    def from_json(cls, text_or_path: str | Path) -> "DSparkConfig":
+        p = Path(text_or_path) if not str(text_or_path).lstrip().startswith("{") else None
+        return cls.from_dict(json.loads(p.read_text() if p is not None else str(text_or_path)))
+
+
+def kimi_k3_config(**overrides) -> DSparkConfig:
+    """The full-size K3 MLA draft (spec §2 table, TS taps `[7,31,47,63,87]` with fc_norm + attn_res, §6/§8)."""
+    base = dict(fc_norm=True, aux_hidden_stream="attn_res", target_layer_ids=(7, 31, 47, 63, 87))
+    base.update(overrides)
+    return DSparkConfig(**base)
+
+
+def small_config_for_target(target_config, *, target_layer_ids, num_hidden_layers: int = 1,
+                            markov_rank: int = 32, block_size: int = 7, mask_token_id: int | None = None,
+                            attention_type: str = "mla", **overrides) -> DSparkConfig:
+    """A small MLA draft for a (small) HF target config: H = target hidden, dims scaled down (spec §9).
+
+    `target_config` is a transformers text config (hidden_size, num_hidden_layers, vocab_size, ...).
+    """
+    tc = getattr(target_config, "text_config", None) or target_config
+    H = tc.hidden_size
+    heads = max(1, min(8, H // 32))
+    eos = getattr(tc, "eos_token_id", None)
+    eos = [] if eos is None else (list(eos) if isinstance(eos, (list, tuple)) else [eos])
+    emb_scale = math.sqrt(H) if "gemma" in str(getattr(tc, "model_type", "")) else 1.0
+    mask_id = mask_token_id if mask_token_id is not None else tc.vocab_size - 1
+    cfg = dict(
+        attention_type=attention_type, block_size=block_size, num_hidden_layers=num_hidden_layers,
+        hidden_size=H, intermediate_size=getattr(tc, "intermediate_size", 4 * H), num_attention_heads=heads,
+        q_lora_rank=0, kv_lora_rank=max(16, H // 4), qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+        num_key_value_heads=max(1, heads // 2), head_dim=32, rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6),
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        max_position_embeddings=getattr(tc, "max_position_embeddings", 4096), vocab_size=tc.vocab_size,
+        target_hidden_size=H, target_num_hidden_layers=tc.num_hidden_layers, target_layer_ids=tuple(target_layer_ids),
+        mask_token_id=mask_id, markov_rank=markov_rank, eos_token_id=tuple(eos),
+        pad_token_id=getattr(tc, "pad_token_id", None), embed_scale=emb_scale,
+        final_logit_softcapping=getattr(tc, "final_logit_softcapping", None), num_anchors=64,
+    )
+    cfg.update(overrides)
+    return DSparkConfig(**cfg)
+
+
+# ----------------------------------------------------------------------------------------------- layers
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * x.to(dtype)).to(dtype)
+
+
+def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
+    """DeepSeek-V3 YaRN attention factor `0.1·mscale·ln(scale) + 1` (1 when scale <= 1)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_inv_freq(dim: int, rope: dict) -> tuple[torch.Tensor, float]:
+    """(inv_freq float32[dim/2], cos/sin scale) for `rope_type` default or yarn (DeepSeek-V3 YaRN)."""
+    base = float(rope.get("rope_theta", 10000.0))
+    exps = torch.arange(0, dim, 2, dtype=torch.float64) / dim
+    freq_extra = 1.0 / base**exps
+    if rope.get("rope_type", "default") != "yarn":
+        return freq_extra.float(), 1.0
+    factor = float(rope["factor"])
+    orig = float(rope["original_max_position_embeddings"])
+    beta_fast, beta_slow = float(rope.get("beta_fast", 32)), float(rope.get("beta_slow", 1))
+
+    def corr_dim(n_rot):
+        return dim * math.log(orig / (n_rot * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(corr_dim(beta_fast)), 0)
+    high = min(math.ceil(corr_dim(beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    extra_mask = 1.0 - ramp
+    inv = (freq_extra / factor) * (1 - extra_mask) + freq_extra * extra_mask
+    m = yarn_get_mscale(factor, rope.get("mscale", 1.0)) / yarn_get_mscale(factor, rope.get("mscale_all_dim", 0.0))
+    return inv.float(), m
+
+
+def softmax_scale(cfg: DSparkConfig, head_dim: int) -> float:
+    """`m²/√d` with `m = yarn_get_mscale(factor, mscale_all_dim)` (spec §2: m²/√192 for K3), else 1/√d."""
+    scale = head_dim**-0.5
+    rope = cfg.rope_parameters
+    if rope.get("rope_type") == "yarn" and rope.get("mscale_all_dim"):
+        m = yarn_get_mscale(float(rope["factor"]), float(rope["mscale_all_dim"]))
+        scale = scale * m * m
+    return scale
+
+
+def apply_rope(x, cos, sin, interleave: bool):
+    """x [..., L, R] rotated at cos/sin [.., L, R/2]; interleaved pairs (2i, 2i+1) or halves (i, i+R/2)."""
+    if interleave:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
+class Rotary(nn.Module):
+    def __init__(self, dim: int, rope: dict):
+        super().__init__()
+        inv, self.mscale = rope_inv_freq(dim, rope)
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def forward(self, positions):
+        """positions int64[B, L] -> (cos, sin) float32[B, 1, L, R/2] (broadcast over heads)."""
+        ang = positions.float()[..., None] * self.inv_freq.to(positions.device)
+        return (ang.cos() * self.mscale)[:, None], (ang.sin() * self.mscale)[:, None]
+
+
+class MLAAttention(nn.Module):
+    """K3 MLA attention (spec §2 table): queries from block tokens, keys/values from [ctx; block]."""
+
+    def __init__(self, cfg: DSparkConfig):
+        super().__init__()
+        self.cfg = cfg
+        H, nh = cfg.hidden_size, cfg.num_attention_heads
+        self.nh, self.dn, self.dr, self.dv = nh, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        if cfg.q_lora_rank:
+            self.q_a_proj = nn.Linear(H, cfg.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, nh * cfg.qk_head_dim, bias=False)
+        else:
+            self.q_proj = nn.Linear(H, nh * cfg.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(H, cfg.kv_lora_rank + self.dr, bias=False)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, nh * (self.dn + self.dv), bias=False)
+        self.o_proj = nn.Linear(nh * self.dv, H, bias=False)
+        self.scale = softmax_scale(cfg, cfg.qk_head_dim)
+
+    def forward(self, blk_BQH, ctx_BSH, rope_q, rope_k, mask):
+        B, Q, _ = blk_BQH.shape
+        if self.cfg.q_lora_rank:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(blk_BQH)))
+        else:
+            q = self.q_proj(blk_BQH)
+        q = q.view(B, Q, self.nh, -1).transpose(1, 2)  # [B, nh, Q, dn+dr]
+        q_nope, q_pe = q.split([self.dn, self.dr], dim=-1)
+        q_pe = apply_rope(q_pe, *rope_q, self.cfg.rope_interleave)
+        x = torch.cat([ctx_BSH, blk_BQH], dim=1)  # [B, S+Q, H]
+        kv = self.kv_a_proj_with_mqa(x)
+        c, k_pe = kv.split([self.cfg.kv_lora_rank, self.dr], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(c)).view(B, x.shape[1], self.nh, self.dn + self.dv).transpose(1, 2)
+        k_nope, v = kv.split([self.dn, self.dv], dim=-1)
+        k_pe = apply_rope(k_pe[:, None], *rope_k, self.cfg.rope_interleave)  # one shared rotary key head
+        k = torch.cat([k_nope, k_pe.expand(-1, self.nh, -1, -1)], dim=-1)
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        return self.o_proj(o.transpose(1, 2).reshape(B, Q, self.nh * self.dv))
+
+
+class GQAAttention(nn.Module):
+    """DS Qwen3-style attention (spec §2): shared k/v projections for ctx and block, q_norm/k_norm, non-causal."""
+
+    def __init__(self, cfg: DSparkConfig):
+        super().__init__()
+        self.cfg = cfg
+        H, nh, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.nh, self.nkv, self.hd = nh, nkv, hd
+        self.q_proj = nn.Linear(H, nh * hd, bias=False)
+        self.k_proj = nn.Linear(H, nkv * hd, bias=False)
+        self.v_proj = nn.Linear(H, nkv * hd, bias=False)
+        self.o_proj = nn.Linear(nh * hd, H, bias=False)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.scale = softmax_scale(cfg, hd)
+
+    def forward(self, blk_BQH, ctx_BSH, rope_q, rope_k, mask):
+        B, Q, _ = blk_BQH.shape
+        x = torch.cat([ctx_BSH, blk_BQH], dim=1)
+        q = self.q_norm(self.q_proj(blk_BQH).view(B, Q, self.nh, self.hd)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(B, x.shape[1], self.nkv, self.hd)).transpose(1, 2)
+        v = self.v_proj(x).view(B, x.shape[1], self.nkv, self.hd).transpose(1, 2)
+        q = apply_rope(q, *rope_q, self.cfg.rope_interleave)
+        k = apply_rope(k, *rope_k, self.cfg.rope_interleave)
+        rep = self.nh // self.nkv
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        return self.o_proj(o.transpose(1, 2).reshape(B, Q, self.nh * self.hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, H: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(H, inter, bias=False)
+        self.up_proj = nn.Linear(H, inter, bias=False)
+        self.down_proj = nn.Linear(inter, H, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DSparkConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = MLAAttention(cfg) if cfg.attention_type == "mla" else GQAAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, h_BQH, ctx_BSH, rope_q, rope_k, mask):
+        # H_ctx is the same (already normed) tensor for every layer (spec §2, P eq. 2)
+        h_BQH = h_BQH + self.self_attn(self.input_layernorm(h_BQH), ctx_BSH, rope_q, rope_k, mask)
+        return h_BQH + self.mlp(self.post_attention_layernorm(h_BQH))
+
+
+class MarkovHead(nn.Module):
+    """Vanilla low-rank Markov bias `B(x_prev) = W2(W1[x_prev])` (spec §3)."""
+
+    def __init__(self, vocab: int, rank: int):
+        super().__init__()
+        self.markov_w1 = nn.Embedding(vocab, rank)
+        self.markov_w2 = nn.Linear(rank, vocab, bias=False)
+
+    def forward(self, prev_ids):
+        return self.markov_w2(self.markov_w1(prev_ids))
+
+
+class ConfidenceHead(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.proj = nn.Linear(dim, 1)
+
+    def forward(self, x):
+        return self.proj(x).squeeze(-1)
+
+
+# ----------------------------------------------------------------------------------------------- the draft
+
+
+class DSparkDraft(nn.Module):
+    """DSpark block drafter (spec §1-§4). Trainable: context path, backbone, Markov and confidence heads;
+    `embed_tokens` and `lm_head` are frozen copies of the target's (spec §5).
+
+    Weight names follow the K3 MLA checkpoint (spec §8): `fc_norm.{i}`, `context_proj`, `context_norm`,
+    `layers.{l}.self_attn.{q_a_proj,...}`, `final_norm`, `markov_head.markov_w{1,2}`, `confidence_head.proj`.
+    """
+
+    def __init__(self, cfg: DSparkConfig):
+        super().__init__()
+        self.config = cfg
+        T, Ht, H, V = cfg.num_target_layers, cfg.target_hidden_size, cfg.hidden_size, cfg.vocab_size
+        if cfg.fc_norm:
+            self.fc_norm = nn.ModuleList(RMSNorm(Ht, cfg.rms_norm_eps) for _ in range(T))
+        self.context_proj = nn.Linear(T * Ht, H, bias=False)
+        self.context_norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.final_norm = RMSNorm(H, cfg.rms_norm_eps)
+        rope_dim = cfg.qk_rope_head_dim if cfg.attention_type == "mla" else cfg.head_dim
+        self.rotary = Rotary(rope_dim, cfg.rope_parameters)
+        self.embed_tokens = nn.Embedding(V, H)
+        self.lm_head = nn.Linear(H, V, bias=False)
+        r = cfg.markov_rank
+        self.markov_head = MarkovHead(V, r) if r > 0 else None
+        if cfg.enable_confidence_head:
+            extra = r if (cfg.confidence_head_with_markov and r > 0) else 0
+            self.confidence_head = ConfidenceHead(H + extra)
+        else:
+            self.confidence_head = None
+        self.apply(self._init_weights)
+        for p in (*self.embed_tokens.parameters(), *self.lm_head.parameters()):
+            p.requires_grad_(False)
+
+    @staticmethod
+    def _init_weights(m):
+        # HF post_init: normal(0, 0.02), zero bias (spec §3 "our reading")
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+            if getattr(m, "bias", None) is not None:
+                nn.init.zeros_(m.bias)
+
+    # -- construction ---------------------------------------------------------------------------
+    @classmethod
+    def from_target(cls, target_model, cfg: DSparkConfig) -> "DSparkDraft":
+        """A randomly initialised draft with `embed_tokens`/`lm_head` copied (frozen) from an HF causal LM.
+
+        Raises ValueError when the target's embedding shape differs from (vocab_size, hidden_size).
+        """
+        draft = cls(cfg)
+        emb = target_model.get_input_embeddings().weight
+        head = target_model.get_output_embeddings().weight
+        want = (cfg.vocab_size, cfg.hidden_size)
+        if tuple(emb.shape) != want or tuple(head.shape) != want:
+            raise ValueError(f"target embeddings {tuple(emb.shape)} / lm_head {tuple(head.shape)} != {want}: "
+                             "the draft's hidden_size and vocab_size must equal the target's")
+        with torch.no_grad():
+            draft.embed_tokens.weight.copy_(emb.detach().float())
+            draft.lm_head.weight.copy_(head.detach().float())
+        return draft
+
+    def trainable_parameters(self):
+        return [p for p in self.parameters() if p.requires_grad]
+
+    # -- pieces ---------------------------------------------------------------------------------
+    def context(self, taps_BSX: torch.Tensor) -> torch.Tensor:
+        """taps [B, S, T·Ht] (ascending tap order) -> H_ctx [B, S, H] = context_norm(W_c · concat) (spec §1)."""
+        if self.config.fc_norm:
+            chunks = taps_BSX.split(self.config.target_hidden_size, dim=-1)
+            taps_BSX = torch.cat([n(c) for n, c in zip(self.fc_norm, chunks)], dim=-1)
+        x = taps_BSX.to(self.context_proj.weight.dtype)
+        return self.context_norm(self.context_proj(x))
+
+    def embed(self, ids):
+        return self.embed_tokens(ids) * self.config.embed_scale
+
+    def backbone(self, ctx_BSH, block_ids_BQ, ctx_pos_BS, blk_pos_BQ, mask_BQL=None):
+        """Block hidden states, final-normed: [B, Q, H]. `mask_BQL` bool [B, Q, S+Q], True = attend."""
+        h = self.embed(block_ids_BQ).to(ctx_BSH.dtype)
+        rope_q = self.rotary(blk_pos_BQ)
+        rope_k = self.rotary(torch.cat([ctx_pos_BS, blk_pos_BQ], dim=1))
+        if mask_BQL is not None:
+            # rows with nothing to attend (dummy blocks) attend everywhere: finite, and weighted 0 by the loss
+            mask_BQL = mask_BQL | ~mask_BQL.any(-1, keepdim=True)
+            mask_BQL = mask_BQL[:, None]
+        for layer in self.layers:
+            h = layer(h, ctx_BSH, rope_q, rope_k, mask_BQL)
+        return self.final_norm(h)
+
+    def forward(self, taps_BSX, input_ids_BS, anchors_BN, keep_BN, position_ids_BS=None, attention_mask_BS=None):
+        """Training pass: final-normed hidden [B, N, K, H] for blocks `[x_a, MASK×(K−1)]` at each anchor a.
+
+        Block slot k sits at position `pos[a] + k`; context at `pos[0..S−1]` (default arange). Mask: spec §2.
+        """
+        from regen.dspark_loss import create_block_attention_mask
+
+        B, S = input_ids_BS.shape
+        N, K = anchors_BN.shape[1], self.config.block_size
+        if position_ids_BS is None:
+            position_ids_BS = torch.arange(S, device=input_ids_BS.device).expand(B, S)
+        block_ids = torch.full((B, N, K), self.config.mask_token_id, dtype=torch.long, device=input_ids_BS.device)
+        block_ids[:, :, 0] = input_ids_BS.gather(1, anchors_BN).long()
+        blk_pos = position_ids_BS.gather(1, anchors_BN)[..., None] + torch.arange(K, device=anchors_BN.device)
+        mask = create_block_attention_mask(anchors_BN, keep_BN, S, K, attention_mask=attention_mask_BS)
+        ctx = self.context(taps_BSX)
+        h = self.backbone(ctx, block_ids.view(B, N * K), position_ids_BS, blk_pos.view(B, N * K), mask)
+        return h.view(B, N, K, -1)
+
+    def base_logits(self, hidden):
+        """U = lm_head(hidden) (float32), with the target's final logit soft-capping when it has one."""
+        logits = self.lm_head(hidden.to(self.lm_head.weight.dtype)).float()
+        cap = self.config.final_logit_softcapping
+        return torch.tanh(logits / cap) * cap if cap else logits
+
+    def markov_bias(self, prev_ids):
+        """B(x_prev) [..., V] (spec §3); zeros-free: returns None when markov_rank == 0."""
+        return None if self.markov_head is None else self.markov_head(prev_ids).float()
+
+    def corrected_logits(self, hidden, prev_ids):
+        """ℓ = U + W2·W1[x_prev] (teacher forcing: prev_ids are the ground-truth previous tokens)."""
+        logits = self.base_logits(hidden)
+        bias = self.markov_bias(prev_ids)
+        return logits if bias is None else logits + bias
+
+    def confidence_logits(self, hidden, prev_ids):
+        """Pre-sigmoid c_k = w·[h_k ; W1[x_{k−1}]] + b (spec §4), or None without a confidence head."""
+        if self.confidence_head is None:
+            return None
+        x = hidden
+        if self.config.confidence_head_with_markov and self.markov_head is not None:
+            x = torch.cat([hidden, self.markov_head.markov_w1(prev_ids).to(hidden.dtype)], dim=-1)
+        return self.confidence_head(x).float()
+
+    # -- inference ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def propose(self, taps_SX, anchor_token: int, anchor_pos: int, *, temperature: float = 0.0,
+                generator: torch.Generator | None = None, position_ids_S=None):
+        """One block proposal (spec §2 Inference, DS `draft_ops`): (draft tokens int64[K], confidence f32[K]).
+
+        taps_SX: [a, T·Ht] target features of the committed positions `< anchor_pos` (= a); the block is
+        `[anchor, MASK…]` at positions a…a+K−1; one backbone pass gives U_1…U_K, then for k = 1…K
+        `ℓ_k = U_k + W2·W1[x_{k−1}]` (x_0 = anchor) and x_k = argmax (T=0) or a sample at temperature T.
+        """
+        cfg, dev = self.config, taps_SX.device
+        K, S = cfg.block_size, taps_SX.shape[0]
+        ctx_pos = position_ids_S[None] if position_ids_S is not None else torch.arange(S, device=dev)[None]
+        blk_pos = (anchor_pos + torch.arange(K, device=dev))[None]
+        ids = torch.full((1, K), cfg.mask_token_id, dtype=torch.long, device=dev)
+        ids[0, 0] = anchor_token
+        h = self.backbone(self.context(taps_SX[None]), ids, ctx_pos, blk_pos, None)[0]  # [K, H]
+        U = self.base_logits(h)
+        tokens, conf = [], []
+        prev = torch.tensor(anchor_token, device=dev)
+        for k in range(K):
+            bias = self.markov_bias(prev)
+            logits = U[k] if bias is None else U[k] + bias
+            if temperature <= 0:
+                x = logits.argmax()
+            else:
+                x = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator)[0]
+            c = self.confidence_logits(h[k], prev)
+            conf.append(torch.sigmoid(c) if c is not None else torch.tensor(1.0))
+            tokens.append(x)
+            prev = x
+        return torch.stack(tokens), torch.stack(conf).float()
+
+
+# ----------------------------------------------------------------------------------------------- io
+
+
+def count_parameters(model: nn.Module) -> dict:
+    """Parameter counts by group (works on the meta device): total, frozen (embed_tokens+lm_head), ..."""
+    groups = {"total": 0, "embed_tokens": 0, "lm_head": 0, "markov_head": 0, "confidence_head": 0,
+              "backbone_and_context": 0, "num_tensors": 0}
+    for name, p in model.named_parameters():
+        n = p.numel()
+        groups["total"] += n
+        groups["num_tensors"] += 1
+        top = name.split(".")[0]
+        groups[top if top in groups else "backbone_and_context"] += n
+    groups["serving_without_embed"] = groups["total"] - groups["embed_tokens"]
+    return groups
+
+
+def build_meta(cfg: DSparkConfig) -> DSparkDraft:
+    """The draft on the meta device: shapes and parameter counts without allocating any storage."""
+    with torch.device("meta"):
+        return DSparkDraft(cfg)
+
+
+def save_draft(draft: DSparkDraft, out_dir: str | Path, *, include_frozen: bool = False) -> None:
+    """Write `config.json` + `model.safetensors` (atomic). Frozen embed/lm_head are skipped unless asked:
+    they are the target's and `load_draft(..., target_model=)` restores them."""
+    from safetensors.torch import save_file
+
+    from schemas.io import write_json_atomic
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous().cpu() for k, v in draft.state_dict().items()
+             if include_frozen or not k.startswith(FROZEN_PREFIXES)}
+    tmp = out / (WEIGHTS_NAME + ".tmp")
+    save_file(state, str(tmp), metadata={"format": "pt"})
+    tmp.replace(out / WEIGHTS_NAME)
+    write_json_atomic(draft.config.to_dict(), out / CONFIG_NAME)
+
+
+def load_draft(draft_dir: str | Path, target_model=None, map_location="cpu") -> DSparkDraft:
+    """Load a draft written by `save_draft` (or any checkpoint with these weight names).
+
+    Missing `embed_tokens`/`lm_head` are copied from `target_model`; raises ValueError when they are missing
+    and no target is given, or when any other weight is missing or unexpected.
+    """
+    from safetensors.torch import load_file
+
+    d = Path(draft_dir)
+    cfg = DSparkConfig.from_json(d / CONFIG_NAME)
+    draft = DSparkDraft.from_target(target_model, cfg) if target_model is not None else DSparkDraft(cfg)
+    state = load_file(str(d / WEIGHTS_NAME), device=str(map_location))
+    missing, unexpected = draft.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not (target_model is not None and k.startswith(FROZEN_PREFIXES))]
+    if missing or unexpected:
+        raise ValueError(f"{d / WEIGHTS_NAME}: missing weights {missing[:8]}, unexpected {unexpected[:8]}")
+    return draft

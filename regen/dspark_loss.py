@@ -1,0 +1,170 @@
+"""DSpark training objective: anchors, block attention mask, evaluation mask, decay weights, CE + L1 + confidence.
+
+Spec: shared/docs/dspark.md §5 (DS `loss.py`/`common.py`, SF `OnlineDSparkModel`). Shape legend as in
+`regen.dspark`: B batch, S sequence, N anchors per row, K block_size, V vocab, H hidden.
+
+Slot k (0-based) of the block at anchor a predicts x[a+k+1] (spec's 1-based slot k predicts x[a+k]); its
+Markov previous token is x[a+k] and its target distribution p_t comes from the target's final-normed hidden
+state at position a+k (spec: a+k−1 with 1-based k).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+LOSS_WEIGHTS = (0.1, 0.9, 1.0)  # CE, L1, confidence (P eq. 12; DS config)
+
+
+def sample_anchors(loss_mask_BS: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None):
+    """Anchors per spec §5: valid i ∈ [0, S−2] with loss_mask[i] = loss_mask[i+1] = 1; draw min(num_anchors,
+    #valid) uniformly without replacement (seeded `generator`, CPU), sort ascending, pad with dummy anchors.
+
+    Returns (anchors int64[B, N], keep bool[B, N]) with N = max(1, min(num_anchors, max valid count in batch))
+    (SF pads only to the batch maximum). Dummy anchors are 0 with keep False.
+    """
+    lm = loss_mask_BS.bool().cpu()
+    B, S = lm.shape
+    valid = lm[:, :-1] & lm[:, 1:] if S > 1 else torch.zeros(B, 0, dtype=torch.bool)
+    picks = []
+    for b in range(B):
+        pos = valid[b].nonzero().flatten()
+        n = min(num_anchors, pos.numel())
+        pick = pos[torch.randperm(pos.numel(), generator=generator)[:n]] if n else pos[:0]
+        picks.append(pick.sort().values)
+    N = max(1, max(p.numel() for p in picks))
+    anchors = torch.zeros(B, N, dtype=torch.long)
+    keep = torch.zeros(B, N, dtype=torch.bool)
+    for b, p in enumerate(picks):
+        anchors[b, : p.numel()] = p
+        keep[b, : p.numel()] = True
+    return anchors.to(loss_mask_BS.device), keep.to(loss_mask_BS.device)
+
+
+def create_block_attention_mask(anchors_BN, keep_BN, seq_len: int, block_size: int, attention_mask=None):
+    """Dense boolean DSpark training mask (spec §2 "Training mask", = SF `create_dflash_sdpa_mask`).
+
+    Returns bool[B, N·K, S + N·K], True = may attend. A query of block b sees context key j iff j < a_b
+    (strict: the anchor's own features do not exist yet at inference) and `attention_mask[j]` (when given),
+    and all K slots of its own block; nothing else. Blocks with keep False are fully masked.
+    """
+    B, N = anchors_BN.shape
+    K, dev = block_size, anchors_BN.device
+    j = torch.arange(seq_len, device=dev)
+    ctx = j[None, None, :] < anchors_BN[:, :, None]  # [B, N, S]
+    if attention_mask is not None:
+        ctx = ctx & attention_mask.bool()[:, None, :]
+    blk_id = torch.arange(N, device=dev)
+    own = blk_id[:, None] == blk_id[None, :]  # [N, N]
+    own = own[:, None, :, None].expand(N, K, N, K).reshape(N * K, N * K)
+    ctx = ctx[:, :, None, :].expand(B, N, K, seq_len).reshape(B, N * K, seq_len)
+    mask = torch.cat([ctx, own[None].expand(B, -1, -1)], dim=-1)
+    q_keep = keep_BN.bool()[:, :, None].expand(B, N, K).reshape(B, N * K, 1)
+    return mask & q_keep
+
+
+def slot_positions(anchors_BN, block_size: int):
+    """a + k for k = 0…K−1: int64[B, N, K] (unclamped)."""
+    return anchors_BN[..., None] + torch.arange(block_size, device=anchors_BN.device)
+
+
+def evaluation_mask(anchors_BN, keep_BN, loss_mask_BS, block_size: int):
+    """eval[b, n, k] = keep ∧ (a+k+1 < S) ∧ loss_mask[a+k+1], then cumulative product along k (spec §5):
+    float32[B, N, K], only a contiguous supervised prefix of each block counts."""
+    S = loss_mask_BS.shape[1]
+    tgt = slot_positions(anchors_BN, block_size) + 1
+    inside = tgt < S
+    lm = loss_mask_BS.bool().gather(1, tgt.clamp(max=S - 1).flatten(1)).view_as(tgt)
+    ev = (keep_BN.bool()[..., None] & inside & lm).float()
+    return ev.cumprod(dim=-1)
+
+
+def decay_weights(block_size: int, gamma: float = 4.0, device=None):
+    """w_k = exp(−(k−1)/γ_w), k = 1…K, γ_w = loss_decay_gamma = 4.0 (DS/SF/TS; the paper's γ=7 disagrees,
+    spec §5/§10): float32[K]."""
+    return torch.exp(-torch.arange(block_size, device=device, dtype=torch.float32) / gamma)
+
+
+def _global_denominator(local: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Σ w over data-parallel ranks (all_reduce when a process group is up) and the world size."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        total = local.detach().clone()
+        dist.all_reduce(total)
+        return total, dist.get_world_size()
+    return local.detach(), 1
+
+
+def dspark_loss(draft, batch: dict, features, anchors=None, keep=None, *, generator=None,
+                weights=LOSS_WEIGHTS):
+    """The DSpark loss for one micro-batch (spec §5). Returns (loss scalar tensor, metrics dict of floats).
+
+    batch: `input_ids` int[B, S], `loss_mask` {0,1}[B, S], optional `attention_mask` [B, S], `position_ids`.
+    features: (taps [B, S, T·Ht], last_hidden [B, S, Ht]) from `regen.target.TargetFeatures.features`
+      (last_hidden is the target's final-normed state; p_t = softmax(lm_head(last_hidden)), spec §1).
+    anchors/keep: from `sample_anchors` (sampled here with `generator` when None).
+
+    Each term is Σ w·term / Σ_global w · world_size (cancels DDP/FSDP gradient averaging):
+    L = 0.1·CE + 0.9·L1 + 1.0·BCE(c, c*), c* = clamp(1 − ½‖p_d − p_t‖₁, 0, 1) detached, p_d the
+    Markov-corrected draft distribution at T=1 with teacher forcing. Metrics are this rank's, unreduced.
+    """
+    taps, last_hidden = features
+    ids, lm = batch["input_ids"], batch["loss_mask"]
+    cfg = draft.config
+    K, (B, S) = cfg.block_size, ids.shape
+    if anchors is None:
+        anchors, keep = sample_anchors(lm, cfg.num_anchors, generator)
+    hidden = draft(taps, ids, anchors, keep, batch.get("position_ids"), batch.get("attention_mask"))  # [B,N,K,H]
+
+    pos = slot_positions(anchors, K).clamp(max=S - 1)  # previous-token / p_t positions
+    tgt_pos = (slot_positions(anchors, K) + 1).clamp(max=S - 1)
+    prev_ids = ids.long().gather(1, pos.flatten(1)).view_as(pos)
+    tgt_ids = ids.long().gather(1, tgt_pos.flatten(1)).view_as(pos)
+    ev = evaluation_mask(anchors, keep, lm, K)
+    w = ev * decay_weights(K, cfg.loss_decay_gamma, ev.device)
+
+    sel = w.flatten() > 0  # only supervised slots enter the vocabulary-wide terms
+    h_sel = hidden.flatten(0, 2)[sel]
+    prev_sel, tgt_sel, w_sel = prev_ids.flatten()[sel], tgt_ids.flatten()[sel], w.flatten()[sel]
+    logits = draft.corrected_logits(h_sel, prev_sel)  # [M, V]
+    logp_d = F.log_softmax(logits, dim=-1)
+    ce = -logp_d.gather(-1, tgt_sel[:, None]).squeeze(-1)
+    with torch.no_grad():
+        lh = last_hidden.gather(1, pos.flatten(1)[..., None].expand(-1, -1, last_hidden.shape[-1]))
+        p_t = torch.softmax(draft.base_logits(lh.flatten(0, 1)[sel]), dim=-1)
+    l1 = (logp_d.exp() - p_t).abs().sum(-1)
+    c_star = (1.0 - 0.5 * l1.detach()).clamp(0.0, 1.0)
+    conf_logit = draft.confidence_logits(h_sel, prev_sel)
+    bce = (F.binary_cross_entropy_with_logits(conf_logit, c_star, reduction="none")
+           if conf_logit is not None else torch.zeros_like(ce))
+
+    denom, world = _global_denominator(w.sum())
+    denom = denom.clamp(min=1e-6)
+
+    def reduce(x):
+        return (w_sel * x).sum() / denom * world
+
+    ce_t, l1_t, conf_t = reduce(ce), reduce(l1), reduce(bce)
+    loss = weights[0] * ce_t + weights[1] * l1_t + weights[2] * conf_t
+
+    with torch.no_grad():
+        M = w.numel()
+        full_cstar = torch.zeros(M, device=w.device)
+        full_cstar[sel] = c_star
+        cs = (full_cstar.view_as(w) * ev).cumprod(-1)
+        match = torch.zeros(M, device=w.device)
+        match[sel] = (logits.argmax(-1) == tgt_sel).float()
+        mt = (match.view_as(w) * ev).cumprod(-1)
+        num_blocks = max(1, int(keep.sum()))
+        n_slots = max(1.0, float(ev.sum()))
+        metrics = {
+            "loss": float(loss), "ce": float(ce_t) / world, "l1": float(l1_t) / world, "conf": float(conf_t) / world,
+            "acc": float((match.view_as(w) * ev).sum()) / n_slots,
+            "tau_probabilistic": 1.0 + float(cs.sum()) / num_blocks,  # 1 + Σ_k Π_{i≤k} c*_i (spec §9)
+            "tau_teacher_forced": 1.0 + float(mt.sum()) / num_blocks,
+            "num_blocks": int(keep.sum()), "num_slots": int(ev.sum()),
+            "conf_mean": float(torch.sigmoid(conf_logit).mean()) if conf_logit is not None and len(conf_logit) else math.nan,
+        }
+    return loss, metrics
