@@ -4,7 +4,7 @@ Spec: `shared/docs/kimi-k3-format.md`. Ids come from encoding each segment on it
 the segment labels, never from re-encoding text (§6).
 
 Mask policies (which tokens of an assistant message are supervised; every span is contiguous):
-- `generated` (default, §6 recommendation): what the target generates after the generation prompt: the
+- `spec` (default, §6 recommendation; alias `generated`): what the target generates after the generation prompt: the
   reasoning, `<|close|>think<|sep|><|open|>response<|sep|>`, the content, `<|close|>response<|sep|>`, any tools
   section and `<|close|>message<|sep|>`; in non-thinking mode from the content on. The message opener, the
   channel opener and `<|end_of_msg|>` are not supervised.
@@ -24,12 +24,13 @@ RENDERER_NAME = "kimi-k3"
 RENDERER_VERSION = "1"  # bump whenever output ids or spans can change
 
 MASK_POLICIES: dict[str, frozenset[str]] = {
+    "spec": frozenset({GENERATED}),
     "generated": frozenset({GENERATED}),
     "include_channel_opener": frozenset({CHANNEL_OPEN, GENERATED}),
     "include_end_of_msg": frozenset({GENERATED, END}),
     "include_channel_opener_and_end_of_msg": frozenset({CHANNEL_OPEN, GENERATED, END}),
 }
-DEFAULT_MASK_POLICY = "generated"
+DEFAULT_MASK_POLICY = "spec"
 TEMPLATE_KWARGS = ("thinking", "thinking_effort", "add_generation_prompt", "tool_choice", "response_format")
 
 
