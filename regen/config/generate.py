@@ -1,7 +1,60 @@
-"""Sub-config of `regen generate` (owned by the regeneration client)."""
+"""Sub-config of `regen generate` (owned by the regeneration client).
+
+Every field has a default; profiles set only what differs. Times are seconds. Quality classes and their
+policies are defined in `regen.checks` (QUALITY_CLASSES, POLICIES).
+"""
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+POLICY_NAMES = ("retry", "retry_larger", "keep_flagged", "drop")
+
+DEFAULT_POLICIES = {
+    "empty_body": "retry",
+    "malformed": "retry",
+    "empty_content": "retry",
+    "truncated": "retry_larger",
+    "reasoning_leak": "keep_flagged",
+    "unbalanced_think": "retry",
+    "invalid_tool_args": "retry",
+}
+
+
+class TimeoutConfig(BaseModel):
+    """Per-request timeouts (seconds). `first_byte` runs from sending to the first body chunk (for a
+    non-streamed request that is the whole generation); `between_chunks` bounds a stalled stream."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    connect: float = 10.0
+    first_byte: float = 900.0
+    between_chunks: float = 300.0
+    total: float = 7200.0
+
+
+class RetryConfig(BaseModel):
+    """Jittered exponential backoff: delay = min(max_s, base_s * 2**(attempt-1)) * U(0.5, 1), at least Retry-After."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_attempts: int = 6  # per (prompt, turn), all causes together
+    base_s: float = 1.0
+    max_s: float = 60.0
+    max_retry_after_s: float = 300.0  # cap on a server's Retry-After
+    larger_factor: float = 2.0  # retry_larger: max_tokens *= factor per attempt ...
+    max_tokens_cap: int = 131_072  # ... up to this
+
+
+class HealthConfig(BaseModel):
+    """An endpoint leaves the pool after `fail_threshold` consecutive transport failures and comes back when
+    `GET {base}/models` answers (< 500) during a probe every `interval_s`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    fail_threshold: int = 5
+    interval_s: float = 5.0
+    probe_timeout_s: float = 5.0
+    max_wait_s: float = 600.0  # an attempt waits this long for any available endpoint, then fails as `connection`
 
 
 class GenerateConfig(BaseModel):
@@ -15,7 +68,38 @@ class GenerateConfig(BaseModel):
     temperature: float = 1.0
     top_p: float = 1.0
     max_tokens: int = 32_768
-    seed: int | None = None
-    extra_body: dict = Field(default_factory=dict)
-    return_token_ids: bool = False
+    seed: int | None = None  # sent only when set: some servers reject the field
+    extra_body: dict = Field(default_factory=dict)  # merged into every request body (e.g. thinking, chat_template_kwargs)
+    return_token_ids: bool = False  # opt-in: servers that do not know the field answer 400
+    stream_usage: bool = True  # stream_options.include_usage when streaming
+    reasoning_in_history: bool = True  # send earlier regenerated turns' reasoning_content back (interleaved thinking)
     policies: dict[str, str] = Field(default_factory=dict)  # quality class -> retry|retry_larger|keep_flagged|drop
+    think_markers: list[str] = Field(default_factory=lambda: ["<think>", "</think>"])  # open, close
+    timeouts: TimeoutConfig = Field(default_factory=TimeoutConfig)
+    retry: RetryConfig = Field(default_factory=RetryConfig)
+    health: HealthConfig = Field(default_factory=HealthConfig)
+    part_rows: int = 2000  # rows per Parquet part (the journal makes every row durable before that)
+    part_interval_s: float = 300.0  # ... or a part at least this often
+    queue_size: int = 0  # conversations queued ahead of the workers; 0 = 2 * max_in_flight
+    ray_actors: int = 0  # with --ray: number of actors; 0 = one per alive node
+
+    @field_validator("policies")
+    @classmethod
+    def _check_policies(cls, value: dict[str, str]) -> dict[str, str]:
+        for klass, policy in value.items():
+            if klass not in DEFAULT_POLICIES:
+                raise ValueError(f"unknown quality class {klass!r}; allowed: {sorted(DEFAULT_POLICIES)}")
+            if policy not in POLICY_NAMES:
+                raise ValueError(f"policy {policy!r} for {klass!r} is not one of {list(POLICY_NAMES)}")
+        return value
+
+    @field_validator("max_in_flight")
+    @classmethod
+    def _check_in_flight(cls, value: int) -> int:
+        if value < 1:
+            raise ValueError("max_in_flight must be >= 1")
+        return value
+
+    def policy(self, klass: str) -> str:
+        """The policy for a quality class: the profile's, else the default."""
+        return self.policies.get(klass, DEFAULT_POLICIES[klass])
