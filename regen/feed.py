@@ -113,7 +113,7 @@ class Step:
     microbatches: list[MicroBatch] = field(default_factory=list)
 
 
-def _hash_int(*parts) -> int:
+def stable_hash(*parts) -> int:
     h = hashlib.blake2b(":".join(str(p) for p in parts).encode(), digest_size=8).digest()
     return int.from_bytes(h, "little")
 
@@ -287,7 +287,7 @@ class ShardFeed:
 
         def pop() -> SampleRef:
             nonlocal n
-            j = _hash_int(self.cfg.seed, epoch, "shuffle", n) % len(buf)
+            j = stable_hash(self.cfg.seed, epoch, "shuffle", n) % len(buf)
             n += 1
             buf[j], buf[-1] = buf[-1], buf[j]
             return buf.pop()
@@ -311,7 +311,7 @@ class ShardFeed:
         if cur:
             batches.append(cur)
         for k in range(len(batches) - 1, 0, -1):  # seeded Fisher-Yates over the window's batches
-            j = _hash_int(cfg.seed, epoch, "window", w, k) % (k + 1)
+            j = stable_hash(cfg.seed, epoch, "window", w, k) % (k + 1)
             batches[k], batches[j] = batches[j], batches[k]
         return batches
 

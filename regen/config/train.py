@@ -1,4 +1,10 @@
-"""Sub-config of `regen train` / `regen eval` (owned by the trainer)."""
+"""Sub-config of `regen train` / `regen eval` (owned by the trainer).
+
+Draft presets: `small` builds a draft sized from the target's config (`regen.dspark.small_config_for_target`,
+spec §9); `kimi-k3` is the full-size K3 MLA draft (`regen.dspark.kimi_k3_config`, spec §2/§8). `draft` holds
+DSparkConfig field overrides applied on top of either (e.g. `{hidden_size: 7168, num_hidden_layers: 5}`).
+Training defaults follow the DS Qwen3-4B recipe (spec §6): AdamW, warmup 4 %, cosine, grad clip 1.0, wd 0.
+"""
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -8,8 +14,51 @@ class TrainConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     enabled: bool = False
-    target: str | None = None  # local path of the target model
-    target_layer_ids: list[int] = Field(default_factory=list)
+    # target and feature contract (spec §1)
+    target: str | None = None  # local path of the target model (transformers directory); may use ${ENV}
+    target_layer_ids: list[int] = Field(default_factory=list)  # empty = the default rule for 3 taps (spec §1)
+    aux_hidden_stream: str = "prefix"  # prefix | attn_res
+    fc_norm: bool = False
+    target_dtype: str = "auto"  # auto (bf16 on cuda, fp32 on cpu) | float32 | bfloat16
+    # draft (spec §2-§4, §8)
+    draft_preset: str = "small"  # small | kimi-k3
+    attention_type: str = "mla"  # mla | gqa
     block_size: int = 7
     num_draft_layers: int = 5
     markov_rank: int = 256
+    enable_confidence_head: bool = True
+    mask_token_id: int | None = None  # null = the preset's (small: vocab_size - 1)
+    draft: dict = Field(default_factory=dict)  # DSparkConfig field overrides
+    # objective (spec §5)
+    num_anchors: int = 512
+    loss_decay_gamma: float = 4.0
+    loss_weights: list[float] = Field(default_factory=lambda: [0.1, 0.9, 1.0])  # CE, L1, confidence
+    # optimisation (spec §6)
+    lr: float = 6e-4
+    weight_decay: float = 0.0
+    betas: list[float] = Field(default_factory=lambda: [0.9, 0.95])
+    warmup_frac: float = 0.04
+    min_lr_frac: float = 0.0  # cosine decays to lr * min_lr_frac
+    grad_clip: float = 1.0
+    max_steps: int = 0  # optimizer steps; 0 = `epochs` passes over the data (required with --follow)
+    epochs: int = 1
+    grad_accum: int = 1  # micro-batches per rank per optimizer step
+    seed: int | None = None  # null = the profile's seed
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"  # draft compute dtype: auto (bf16 on cuda, fp32 on cpu) | float32 | bfloat16
+    # data feed (regen.feed)
+    max_len: int = 4096  # tokens per row (longer rows are truncated)
+    max_tokens: int = 16384  # padded tokens per micro-batch
+    max_batch: int = 8  # rows per micro-batch
+    shuffle_buffer: int = 1024
+    bucket_window: int = 256
+    min_loss_tokens: int = 14
+    heldout_fraction: float = 0.05  # prompts kept out of training for `regen eval` (regen.eval.is_heldout)
+    on_bad_shard: str = "error"  # error | skip
+    follow_poll_s: float = 10.0
+    follow_timeout_s: float = 0.0  # 0 = wait for the finished marker without limit
+    # checkpoints and logs
+    checkpoint_every: int = 500  # steps; a checkpoint is also written at the end
+    keep_checkpoints: int = 2
+    log_every: int = 10
+    log_samples: bool = False  # write train/samples-rank{R}.jsonl: the sample_ids of every step (audit, tests)

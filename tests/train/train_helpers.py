@@ -48,3 +48,31 @@ class ShardWriter:
         write_json_atomic({"schema": "regen.shards", "shards": self.entries, "complete": complete, **extra},
                           self.dir / "manifest.json")
 
+
+
+def make_tiny_target(path: Path, *, vocab: int = 512, hidden: int = 64, layers: int = 4, seed: int = 0) -> Path:
+    """A random Qwen3-style causal LM (hidden 64, 4 layers, vocab 512) saved with save_pretrained; no download."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                      tie_word_embeddings=False, eos_token_id=1, pad_token_id=0, bos_token_id=2)
+    Qwen3ForCausalLM(cfg).save_pretrained(path)
+    return Path(path)
+
+
+def write_profile(path: Path, target: Path, **train) -> Path:
+    """A profile YAML whose train section runs the tiny target quickly on CPU (overrides via **train)."""
+    import yaml
+
+    section = {
+        "enabled": True, "target": str(target), "target_layer_ids": [0, 1, 2], "num_draft_layers": 1,
+        "markov_rank": 16, "num_anchors": 8, "max_len": 64, "max_tokens": 256, "max_batch": 4,
+        "shuffle_buffer": 8, "bucket_window": 8, "min_loss_tokens": 4, "heldout_fraction": 0.0,
+        "device": "cpu", "checkpoint_every": 0, "log_every": 1, "lr": 1e-3, "seed": 0,
+    }
+    section.update(train)
+    Path(path).write_text(yaml.safe_dump({"name": "tiny", "train": section}))
+    return Path(path)

@@ -1,0 +1,137 @@
+"""Distribution for `regen train`: the process group and FSDP2 sharding, applied in one function.
+
+Process group from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); without
+it, a world of one in this process (an in-memory store), so one process takes the same code path as many.
+Backend: NCCL on CUDA, gloo on CPU. Sharding follows torchtitan `models/llama3/parallelize.py`: `fully_shard`
+on each block of `model.layers`, then on the root; the training loop has no `if distributed` branches.
+
+Full (unsharded) state dicts gather to rank 0 on CPU for checkpoints (`full_model_state`, `full_optim_state`)
+and are broadcast back from rank 0 on load, so a checkpoint resumes with any world size.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """This process's place in the job. `device`: cuda:LOCAL_RANK with NCCL, or cpu with gloo."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def resolve_device(device: str = "auto", local_rank: int = 0) -> torch.device:
+    """`auto` -> cuda:LOCAL_RANK when CUDA is available, else cpu; `cpu`/`cuda` taken as given."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        return torch.device("cuda", local_rank)
+    return torch.device(device)
+
+
+def init_distributed(device: str = "auto", timeout_s: float = 1800.0) -> DistInfo:
+    """Initialise (or reuse) the default process group from torchrun's env vars; world size 1 without them."""
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    dev = resolve_device(device, local_rank)
+    backend = "nccl" if dev.type == "cuda" else "gloo"
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if not dist.is_initialized():
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if "MASTER_ADDR" in os.environ and world > 1 or "TORCHELASTIC_RUN_ID" in os.environ:
+            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, dev, backend)
+
+
+def destroy_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def shard_model(model: nn.Module, info: DistInfo, *, blocks=None, param_dtype: torch.dtype | None = None,
+                reduce_dtype: torch.dtype | None = torch.float32, reshard_after_forward: bool = True) -> nn.Module:
+    """Apply FSDP2 `fully_shard` to each block (`blocks`, default `model.layers`), then to `model` (in place).
+
+    `param_dtype` (e.g. bf16) is the compute dtype of unsharded parameters; sharded master weights keep their
+    dtype (fp32), and gradients are reduced in `reduce_dtype`. Gradients are averaged over ranks: losses are
+    normalised by the global denominator times world size (spec §5) to cancel that average.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(info.device.type, (info.world_size,))
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for block in (model.layers if blocks is None else blocks):
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    return model
+
+
+def set_gradient_sync(model: nn.Module, sync: bool) -> None:
+    """Skip (False) or do (True) the gradient reduce-scatter of the next backward (accumulation micro-batches)."""
+    model.set_requires_gradient_sync(sync)
+
+
+def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
+    """Σ over ranks (a copy; the input is left as is)."""
+    out = x.detach().clone()
+    dist.all_reduce(out)
+    return out
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
+    """Clip the global gradient norm of the (sharded) trainable parameters; returns the norm before clipping."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Unsharded state dict on CPU, complete on rank 0 (empty elsewhere). Collective: every rank calls it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_full_model_state(model: nn.Module, state: dict[str, torch.Tensor], *, strict: bool = True) -> None:
+    """Load an unsharded state dict read on rank 0 (others may pass {}) into the sharded model. Collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(model, state, options=StateDictOptions(
+        full_state_dict=True, broadcast_from_rank0=True, strict=strict))
+
+
+def full_optim_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """Unsharded optimizer state keyed by parameter name, complete on rank 0. Collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, optimizer,
+                                    options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_full_optim_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """Load an optimizer state from `full_optim_state` (read on rank 0) into the sharded optimizer. Collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(
+        full_state_dict=True, broadcast_from_rank0=True))

@@ -1,0 +1,346 @@
+"""`regen train`: the bundled online trainer. Target hidden states on the fly -> DSpark draft checkpoints.
+
+    regen train --profile local --run runs/local [--follow] [--max-steps N]
+    torchrun --nproc_per_node 8 -m regen.train --profile kimi-k3 --run runs/k3 --follow
+
+Reads top to bottom like nanoGPT's train.py: config, process group, target (frozen, local path,
+`regen.target`), draft (`regen.dspark`), shard (`regen.parallel`, FSDP2), optimizer (AdamW, warmup + cosine,
+grad clip), data (`regen.feed`: shards of `<run>/shards/manifest.json`, checksummed, per rank, resumable),
+loop, checkpoint (`regen.checkpoint`). Spec: shared/docs/dspark.md §5 (objective), §6 (recipe), §8 (config).
+
+Loss normalisation (spec §5): each micro-batch's loss from `regen.dspark_loss.dspark_loss` is
+Σ w·term / Σ_ranks w · world_size; it is rescaled by (Σ_ranks w of that micro-batch) / (Σ_ranks w of the whole
+step) so an optimizer step over A micro-batches on W ranks equals one step over the same global batch at any
+(W, A). Anchors are drawn from a generator seeded by (seed, epoch, global micro-batch index): the same sample
+gets the same anchors at any world size and after a resume.
+
+Outputs in <run>/train/: checkpoints/step-*/ (servable draft + resumable state), latest.json, log.jsonl (one
+line per logged step), summary.json (what `run_train` returns).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import time
+from pathlib import Path
+
+from regen.cli import add_profile_arguments, load_profile_from_args
+from regen.errors import InputError
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_profile_arguments(parser)
+    parser.add_argument("--follow", action="store_true",
+                        help="train while `regen render` writes shards; end when its manifest is marked complete")
+    parser.add_argument("--max-steps", type=int, default=None, help="optimizer steps (overrides train.max_steps)")
+
+
+def main(args) -> int:
+    profile, run = load_profile_from_args(args)
+    cfg = profile.train
+    updates = {"seed": cfg.seed if cfg.seed is not None else profile.seed}
+    if args.max_steps is not None:
+        updates["max_steps"] = args.max_steps
+    summary = run_train(cfg.model_copy(update=updates), run, follow=args.follow)
+    if summary.get("rank", 0) == 0:
+        print(json.dumps({k: v for k, v in summary.items() if k != "history"}, indent=2))
+    return 0
+
+
+def _dtype(name: str, device):
+    import torch
+
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def build_draft_config(cfg, target_config):
+    """The DSparkConfig of this profile for a target's HF config (presets `small` and `kimi-k3`, + `cfg.draft`)."""
+    from regen.dspark import kimi_k3_config, small_config_for_target
+    from regen.target import default_target_layer_ids
+
+    tc = getattr(target_config, "text_config", None) or target_config
+    ids = cfg.target_layer_ids or default_target_layer_ids(tc.num_hidden_layers, 3)
+    common = dict(target_layer_ids=tuple(ids), aux_hidden_stream=cfg.aux_hidden_stream, fc_norm=cfg.fc_norm,
+                  block_size=cfg.block_size, markov_rank=cfg.markov_rank, num_anchors=cfg.num_anchors,
+                  enable_confidence_head=cfg.enable_confidence_head, loss_decay_gamma=cfg.loss_decay_gamma,
+                  attention_type=cfg.attention_type)
+    if cfg.mask_token_id is not None:
+        common["mask_token_id"] = cfg.mask_token_id
+    if cfg.draft_preset == "kimi-k3":
+        return kimi_k3_config(num_hidden_layers=cfg.num_draft_layers, target_hidden_size=tc.hidden_size,
+                              target_num_hidden_layers=tc.num_hidden_layers, vocab_size=tc.vocab_size,
+                              **common, **cfg.draft)
+    if cfg.draft_preset == "small":
+        return small_config_for_target(tc, num_hidden_layers=cfg.num_draft_layers, **common, **cfg.draft)
+    raise InputError(f"train.draft_preset={cfg.draft_preset!r}: allowed values are 'small' and 'kimi-k3'")
+
+
+def lr_lambda(total_steps: int, warmup_frac: float, min_lr_frac: float):
+    """Multiplier of the base lr at step s: linear warmup over warmup_frac·total, then cosine to min_lr_frac."""
+    warmup = max(1, int(round(warmup_frac * total_steps))) if warmup_frac > 0 else 0
+
+    def f(s: int) -> float:
+        if s < warmup:
+            return (s + 1) / warmup
+        t = min(1.0, (s - warmup) / max(1, total_steps - warmup))
+        return min_lr_frac + (1 - min_lr_frac) * 0.5 * (1 + math.cos(math.pi * t))
+
+    return f
+
+
+def feed_config(cfg):
+    from regen.feed import FeedConfig
+
+    return FeedConfig(seed=cfg.seed or 0, max_len=cfg.max_len, max_tokens=cfg.max_tokens, max_batch=cfg.max_batch,
+                      shuffle_buffer=cfg.shuffle_buffer, bucket_window=cfg.bucket_window,
+                      min_loss_tokens=cfg.min_loss_tokens, heldout_fraction=cfg.heldout_fraction,
+                      on_bad_shard=cfg.on_bad_shard, poll_s=cfg.follow_poll_s, follow_timeout_s=cfg.follow_timeout_s)
+
+
+def make_objective(draft):
+    """Wrap `draft` in a module whose forward is the DSpark loss, so FSDP2's root (this wrapper) unshards every
+    parameter the loss touches (lm_head, Markov and confidence heads are used outside `draft.forward`)."""
+    from torch import nn
+
+    from regen.dspark_loss import dspark_loss
+
+    class Objective(nn.Module):
+        def __init__(self, draft):
+            super().__init__()
+            self.draft = draft
+
+        @property
+        def config(self):
+            return self.draft.config
+
+        def forward(self, batch, features, anchors, keep, weights=(0.1, 0.9, 1.0)):
+            return dspark_loss(self.draft, batch, features, anchors, keep, weights=weights)
+
+    return Objective(draft)
+
+
+def prepare_microbatch(mb, seed: int, draft_cfg, device):
+    """(batch dict on `device`, anchors int64[B, N], keep bool[B, N]) for a feed MicroBatch.
+
+    Anchors come from a generator seeded by (seed, epoch, global micro-batch index): identical for the same
+    sample at any world size and after a resume (spec §5 sampling: uniform without replacement, sorted).
+    """
+    import torch
+
+    from regen.dspark_loss import sample_anchors
+    from regen.feed import stable_hash
+
+    gen = torch.Generator().manual_seed(stable_hash(seed, mb.epoch, mb.index, "anchors") & ((1 << 62) - 1))
+    batch = {"input_ids": mb.input_ids.to(device), "loss_mask": mb.loss_mask.to(device),
+             "attention_mask": mb.attention_mask.to(device)}
+    anchors, keep = sample_anchors(batch["loss_mask"], draft_cfg.num_anchors, gen)
+    return batch, anchors, keep
+
+
+def train_step(model, target, opt, microbatches, *, loss_weights=(0.1, 0.9, 1.0), grad_clip: float = 1.0) -> dict:
+    """One optimizer step over this rank's micro-batches [(batch, anchors, keep)]; collective over ranks.
+
+    The step's objective is Σ_all w·term / Σ_all w over every micro-batch of every rank (spec §5), so A
+    micro-batches equal one batch holding them all, and W ranks equal one rank accumulating their batches.
+    Returns this rank's partial sums (reduce with `reduce_metrics`), tokens, target seconds, grad norm.
+    """
+    import torch
+
+    from regen.dspark_loss import decay_weights, evaluation_mask
+    from regen.parallel import all_reduce_sum, clip_grad_norm, set_gradient_sync
+
+    cfg = model.config
+    world = torch.distributed.get_world_size()
+    gamma_w = None
+    local_w = []
+    for b, a, k in microbatches:
+        ev = evaluation_mask(a, k, b["loss_mask"], cfg.block_size)
+        gamma_w = decay_weights(cfg.block_size, cfg.loss_decay_gamma, ev.device) if gamma_w is None else gamma_w
+        local_w.append((ev * gamma_w).sum().double().cpu())
+    global_w = all_reduce_sum(torch.stack(local_w))  # Σ over ranks, per micro-batch slot
+    step_w = float(global_w.sum())
+    sums = torch.zeros(6, dtype=torch.float64)  # loss, ce, l1, conf, tau_prob·blocks, blocks
+    t_target = 0.0
+    for i, (batch, anchors, keep) in enumerate(microbatches):
+        set_gradient_sync(model, i == len(microbatches) - 1)
+        tt = time.perf_counter()
+        features = target.features(batch["input_ids"], batch["attention_mask"])
+        t_target += time.perf_counter() - tt
+        loss, m = model(batch, features, anchors, keep, weights=loss_weights)
+        scale = float(global_w[i]) / step_w if step_w > 0 else 0.0
+        (loss * scale).backward()
+        # dspark_loss: loss = Σ_rank w·L / Σ_ranks w · world; metrics ce/l1/conf = that / world
+        sums += torch.tensor([m["loss"] * scale / world, m["ce"] * scale, m["l1"] * scale, m["conf"] * scale,
+                              m["tau_probabilistic"] * m["num_blocks"], m["num_blocks"]], dtype=torch.float64)
+    grad_norm = clip_grad_norm(model, grad_clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    tokens = sum(int(b["attention_mask"].sum()) for b, _, _ in microbatches)
+    return {"sums": sums, "tokens": tokens, "target_s": t_target, "grad_norm": grad_norm, "weight": step_w}
+
+
+def reduce_metrics(m: dict) -> dict:
+    """Step metrics over all ranks from `train_step`'s partial sums (collective)."""
+    import torch
+
+    from regen.parallel import all_reduce_sum
+
+    g = all_reduce_sum(torch.cat([m["sums"], torch.tensor([float(m["tokens"])], dtype=torch.float64)]))
+    return {"loss": g[0].item(), "ce": g[1].item(), "l1": g[2].item(), "conf": g[3].item(),
+            "tau_probabilistic": g[4].item() / max(1.0, g[5].item()), "tokens": int(g[6].item()),
+            "grad_norm": m["grad_norm"], "weight": m["weight"]}
+
+
+def run_train(cfg, run, *, follow: bool = False, stop_after_steps: int | None = None) -> dict:
+    """Train a DSpark draft on `run.shards` with online target features; write checkpoints to `run.train`.
+
+    Resumes from `run.train/latest.json` when present. Returns (and on rank 0 writes to summary.json):
+    steps, tokens, tokens_per_s, target_share (fraction of step time in the target forward), first/last
+    losses, checkpoint path, feed stats, history (logged metrics). Raises InputError for a missing target
+    or shards, a contract mismatch, or `--follow` without train.max_steps. `stop_after_steps` ends this
+    invocation early without shortening the schedule (a preemption; the next call resumes).
+    """
+    import torch
+    import torch.distributed as dist
+
+    from regen.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+    from regen.config import resolve_path
+    from regen.dspark import DSparkDraft
+    from regen.feed import ShardFeed
+    from regen.parallel import all_reduce_sum, destroy_distributed, init_distributed, shard_model
+    from regen.target import TargetContract, TargetFeatures, declared_contract
+
+    # -- config ---------------------------------------------------------------------------------------------
+    seed = cfg.seed if cfg.seed is not None else 0
+    cfg = cfg.model_copy(update={"seed": seed})
+    if not cfg.target:
+        raise InputError("train.target is not set: give the local path of the target model "
+                         "(e.g. --set train.target=data/models/gemma3-270m)")
+    target_path = resolve_path(cfg.target)
+    train_dir = Path(run.train)
+
+    # -- process group --------------------------------------------------------------------------------------
+    owns_group = not dist.is_initialized()
+    info = init_distributed(cfg.device)
+    torch.manual_seed(seed)  # identical draft init on every rank
+
+    # -- target (frozen) ------------------------------------------------------------------------------------
+    from transformers import AutoConfig
+
+    if not (Path(target_path) / "config.json").exists():
+        raise InputError(f"train.target={cfg.target!r}: no config.json in {target_path}; give a local "
+                         "transformers model directory (the embedded one appears after `bash scripts/setup.sh`)")
+    draft_cfg = build_draft_config(cfg, AutoConfig.from_pretrained(str(target_path), local_files_only=True))
+    contract = TargetContract.from_draft_config(draft_cfg)
+    target = TargetFeatures.from_pretrained(target_path, contract, dtype=_dtype(cfg.target_dtype, info.device),
+                                            device=info.device)
+    manifest_path = Path(run.shards) / "manifest.json"
+    if manifest_path.exists():
+        contract.check(declared_contract(json.loads(manifest_path.read_text())), str(manifest_path))
+
+    # -- draft, sharded -------------------------------------------------------------------------------------
+    draft = DSparkDraft.from_target(target.model, draft_cfg).to(info.device)
+    compute_dtype = _dtype(cfg.dtype, info.device)
+    model = shard_model(make_objective(draft), info, blocks=draft.layers,
+                        param_dtype=None if compute_dtype == torch.float32 else compute_dtype)
+
+    # -- data -----------------------------------------------------------------------------------------------
+    feed = ShardFeed(run.shards, feed_config(cfg), rank=info.rank, world_size=info.world_size,
+                     grad_accum=cfg.grad_accum, follow=follow)
+    if cfg.max_steps > 0:
+        total_steps = cfg.max_steps
+    elif follow:
+        raise InputError("--follow needs train.max_steps (the schedule's length): e.g. --max-steps 2000")
+    else:
+        total_steps = feed.count_steps(cfg.epochs)
+        if total_steps == 0:
+            raise InputError(f"{manifest_path}: no full optimizer step of training data (after held-out and "
+                             "length filters); render more shards or lower train.grad_accum")
+
+    # -- optimizer ------------------------------------------------------------------------------------------
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
+                            betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total_steps, cfg.warmup_frac, cfg.min_lr_frac))
+    step = 0
+    resume_from = latest_checkpoint(train_dir)
+    if resume_from is not None:
+        step = load_checkpoint(resume_from, model, opt, sched, feed)
+        if info.is_main:
+            log.info("resumed from %s at step %d", resume_from, step)
+    training_meta = {"profile_train": cfg.model_dump(), "target": str(target_path), "world_size": info.world_size,
+                     "shards_manifest": str(manifest_path)}
+
+    # -- loop -----------------------------------------------------------------------------------------------
+    history, t_start = [], time.perf_counter()
+    totals = torch.zeros(3, dtype=torch.float64)  # tokens, target seconds, step seconds (this rank)
+    ckpt, steps_here = resume_from, 0
+    num_epochs = None if cfg.max_steps > 0 else cfg.epochs
+    train_dir.mkdir(parents=True, exist_ok=True)
+    steps = feed.steps(num_epochs=num_epochs)
+    while step < total_steps and (stop_after_steps is None or steps_here < stop_after_steps):
+        batch_step = next(steps, None)  # pulled only when it will be trained: the feed position advances here
+        if batch_step is None:
+            break
+        t0 = time.perf_counter()
+        mbs = [prepare_microbatch(mb, seed, draft_cfg, info.device) for mb in batch_step.microbatches]
+        m = train_step(model, target, opt, mbs, loss_weights=tuple(cfg.loss_weights), grad_clip=cfg.grad_clip)
+        sched.step()
+        step, steps_here = step + 1, steps_here + 1
+        totals += torch.tensor([m["tokens"], m["target_s"], time.perf_counter() - t0], dtype=torch.float64)
+        if cfg.log_samples:
+            with open(train_dir / f"samples-rank{info.rank}.jsonl", "a", encoding="utf-8") as f:
+                ids = [sid for mb in batch_step.microbatches for sid in mb.sample_ids]
+                f.write(json.dumps({"step": step, "sample_ids": ids}) + "\n")
+        if step % cfg.log_every == 0 or step == total_steps or step == 1:
+            rec = {"step": step, "epoch": batch_step.epoch, **reduce_metrics(m), "lr": sched.get_last_lr()[0]}
+            history.append(rec)
+            if info.is_main:
+                with open(train_dir / "log.jsonl", "a", encoding="utf-8") as f:
+                    f.write(json.dumps(rec) + "\n")
+                log.info("step %d loss %.4f tau_p %.3f", step, rec["loss"], rec["tau_probabilistic"])
+        if cfg.checkpoint_every > 0 and step % cfg.checkpoint_every == 0 and step < total_steps:
+            ckpt = save_checkpoint(train_dir, step, model, opt, sched, feed, training=training_meta,
+                                   keep=cfg.keep_checkpoints)
+
+    # -- checkpoint -----------------------------------------------------------------------------------------
+    if ckpt is None or not ckpt.name.endswith(f"{step:06d}"):
+        ckpt = save_checkpoint(train_dir, step, model, opt, sched, feed, training=training_meta,
+                               keep=cfg.keep_checkpoints)
+    totals = all_reduce_sum(totals)
+    elapsed = time.perf_counter() - t_start
+    summary = {
+        "rank": info.rank, "world_size": info.world_size, "steps": step, "total_steps": total_steps,
+        "tokens": int(totals[0]), "tokens_per_s": float(totals[0]) / max(1e-9, elapsed),
+        "target_share": float(totals[1] / totals[2]) if totals[2] > 0 else 0.0, "elapsed_s": elapsed,
+        "loss_first": history[0]["loss"] if history else None, "loss_last": history[-1]["loss"] if history else None,
+        "tau_probabilistic_last": history[-1]["tau_probabilistic"] if history else None,
+        "checkpoint": str(ckpt), "feed": feed.state_dict(), "feed_stats": feed.stats, "seed": seed,
+        "history": history,
+    }
+    if info.is_main:
+        from schemas.io import write_json_atomic
+
+        write_json_atomic(summary, train_dir / "summary.json")
+    target.close()
+    if owns_group:
+        destroy_distributed()
+    return summary
+
+
+if __name__ == "__main__":  # torchrun -m regen.train ...
+    import sys
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    p = argparse.ArgumentParser(prog="regen train")
+    add_arguments(p)
+    try:
+        sys.exit(main(p.parse_args()))
+    except InputError as exc:
+        print(f"regen train: error: {exc}", file=sys.stderr)
+        sys.exit(2)
