@@ -86,6 +86,12 @@ def decay_weights(block_size: int, gamma: float = 4.0, device=None):
     return torch.exp(-torch.arange(block_size, device=device, dtype=torch.float32) / gamma)
 
 
+def chain_expectation(values_BNK, eval_BNK, keep_BN) -> float:
+    """1 + mean over kept blocks of Σ_k Π_{i≤k} v_i·eval_i (spec §9 `tau_probabilistic` with v = c*)."""
+    chain = (values_BNK * eval_BNK).cumprod(-1)
+    return 1.0 + float(chain.sum()) / max(1, int(keep_BN.sum()))
+
+
 def _global_denominator(local: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Σ w over data-parallel ranks (all_reduce when a process group is up) and the world size."""
     import torch.distributed as dist
@@ -153,17 +159,14 @@ def dspark_loss(draft, batch: dict, features, anchors=None, keep=None, *, genera
         M = w.numel()
         full_cstar = torch.zeros(M, device=w.device)
         full_cstar[sel] = c_star
-        cs = (full_cstar.view_as(w) * ev).cumprod(-1)
         match = torch.zeros(M, device=w.device)
         match[sel] = (logits.argmax(-1) == tgt_sel).float()
-        mt = (match.view_as(w) * ev).cumprod(-1)
-        num_blocks = max(1, int(keep.sum()))
         n_slots = max(1.0, float(ev.sum()))
         metrics = {
             "loss": float(loss), "ce": float(ce_t) / world, "l1": float(l1_t) / world, "conf": float(conf_t) / world,
             "acc": float((match.view_as(w) * ev).sum()) / n_slots,
-            "tau_probabilistic": 1.0 + float(cs.sum()) / num_blocks,  # 1 + Σ_k Π_{i≤k} c*_i (spec §9)
-            "tau_teacher_forced": 1.0 + float(mt.sum()) / num_blocks,
+            "tau_probabilistic": chain_expectation(full_cstar.view_as(w), ev, keep),  # 1 + Σ_k Π_{i≤k} c*_i
+            "tau_teacher_forced": chain_expectation(match.view_as(w), ev, keep),
             "num_blocks": int(keep.sum()), "num_slots": int(ev.sum()),
             "conf_mean": float(torch.sigmoid(conf_logit).mean()) if conf_logit is not None and len(conf_logit) else math.nan,
         }
