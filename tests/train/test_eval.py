@@ -1,0 +1,118 @@
+"""acc_len (spec §7): the worked example on a scripted verifier, the replay, held-out split, `regen eval` end to end."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from regen.eval import Round, is_heldout, replay_rounds, score_round, summarize
+
+EOS = 0
+
+
+def test_worked_example_of_spec_section_7():
+    D, E, F, G, X = 10, 11, 12, 13, 99
+    r1 = score_round([E, F, X, 1, 2, 3, 4], [E, F, G, 5, 6, 7, 8, 9], [EOS])  # 2 accepted, bonus G
+    r2 = score_round([1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8], [EOS])  # all 7, bonus = 8th argmax
+    r3 = score_round([EOS, 5, 5, 5, 5, 5, 5], [EOS], [EOS])  # stop accepted at j = 1: no bonus
+    assert (r1.accepted, r1.tau, r1.stopped) == (2, 3, False)
+    assert (r2.accepted, r2.tau) == (7, 8)
+    assert r3 == Round(accepted=1, tau=1, proposed=1, stopped=True)
+    s = summarize([r1, r2, r3], block_size=7)
+    assert s["acc_len"] == pytest.approx(4.0)
+    assert s["accept_rate"]["0"] == pytest.approx(3 / 3)
+    assert s["accept_rate"]["2"] == pytest.approx(1 / 2)
+    assert s["num_rounds"] == 3 and s["accepted_draft_tokens"] == 10
+    del D
+
+
+def test_stop_bonus_ends_generation_with_the_bonus_counted():
+    r = score_round([5, 6, 7], [5, EOS, 1, 1], [EOS])
+    assert r == Round(accepted=1, tau=2, proposed=3, stopped=True)
+
+
+def test_replay_with_oracle_scripted_and_stop():
+    K = 4
+    prompt = [7, 7, 7]
+    gen = [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, EOS]
+    seq = prompt + gen
+    argmax = seq[1:] + [EOS]
+    oracle = lambda pos: (argmax[pos: pos + K] + [2] * K)[:K]  # noqa: E731
+    rounds = replay_rounds(oracle, seq, argmax, len(prompt), max_new_tokens=100, block_size=K, stop_ids=[EOS])
+    # anchor 20 (prefill token, uncounted): 21..24 + bonus 25 | 26..29 + bonus 30 | EOS accepted at j=1
+    assert [r.tau for r in rounds] == [5, 5, 1] and rounds[-1].stopped
+    wrong = lambda pos: [1] * K  # noqa: E731
+    rounds = replay_rounds(wrong, seq, argmax, len(prompt), max_new_tokens=100, block_size=K, stop_ids=[EOS])
+    assert all(r.tau == 1 for r in rounds) and len(rounds) == len(gen) - 1  # one token per round until EOS
+    rounds = replay_rounds(wrong, seq, argmax, len(prompt), max_new_tokens=4, block_size=K, stop_ids=[EOS])
+    assert len(rounds) == 4
+
+
+def test_heldout_split_is_deterministic_and_sized():
+    ids = [f"prompt-{i}" for i in range(4000)]
+    held = [p for p in ids if is_heldout(p, 0.05)]
+    assert 150 < len(held) < 250
+    assert held == [p for p in ids if is_heldout(p, 0.05)]
+    assert not any(is_heldout(p, 0.0) for p in ids[:100]) and all(is_heldout(p, 1.0) for p in ids[:100])
+    assert set(held) <= {p for p in ids if is_heldout(p, 0.1)}  # nested: a larger fraction keeps these out too
+
+
+@pytest.fixture(scope="module")
+def tiny_target_dir(tmp_path_factory):
+    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, vocab_size=512, eos_token_id=1, pad_token_id=0)
+    model = Qwen3ForCausalLM(cfg)
+    model.generation_config = GenerationConfig(eos_token_id=[1], pad_token_id=0)
+    d = tmp_path_factory.mktemp("target")
+    model.save_pretrained(d)
+    return d
+
+
+def test_regen_eval_end_to_end_on_a_tiny_target(tmp_path, tiny_target_dir, shard_writer):
+    from train_helpers import make_rows
+
+    from regen.config.train import TrainConfig
+    from regen.dspark import DSparkDraft, save_draft, small_config_for_target
+    from regen.eval import run_eval
+    from regen.rundir import RunDir
+    from regen.target import TargetFeatures, TargetContract
+
+    shard_writer.add(make_rows(6, seed=1, vocab=512, min_len=20, max_len=40), complete=True)
+    run = RunDir.at(shard_writer.dir.parent)
+    tf = TargetFeatures.from_pretrained(tiny_target_dir, TargetContract((0, 2)))
+    dcfg = small_config_for_target(tf.config, target_layer_ids=(0, 2), num_hidden_layers=1, markov_rank=8,
+                                   block_size=4)
+    torch.manual_seed(1)
+    save_draft(DSparkDraft.from_target(tf.model, dcfg), tmp_path / "ckpt")
+    cfg = TrainConfig(target=str(tiny_target_dir), heldout_fraction=1.0, target_layer_ids=[0, 2])
+    out = run_eval(cfg, run, draft_dir=tmp_path / "ckpt", seed=3, num_prompts=3, max_new_tokens=12, progress=False)
+    saved = json.loads((run.root / "eval.json").read_text())
+    assert saved["num_prompts"] == 3 and saved["seed"] == 3
+    for name in ("trained", "untrained"):
+        s = saved[name]
+        assert s["num_rounds"] > 0 and 1.0 <= s["acc_len"] <= 5.0
+        assert set(s["per_category"]) == {"math"} and set(s["accept_rate"]) == {"0", "1", "2", "3"}
+    assert out["trained"]["acc_len"] == saved["trained"]["acc_len"]
+    from regen.target import ContractError
+
+    with pytest.raises(ContractError, match="target_layer_ids"):
+        run_eval(TrainConfig(target=str(tiny_target_dir), heldout_fraction=1.0, target_layer_ids=[0, 1]), run,
+                 draft_dir=tmp_path / "ckpt", num_prompts=1, max_new_tokens=4, progress=False)
+
+
+def test_oracle_draft_on_a_real_target_reaches_full_blocks(tiny_target_dir):
+    """The replay against a real target: a draft that returns the target's own greedy tokens gets τ = K+1."""
+    from regen.eval import greedy_reference
+    from regen.target import TargetContract, TargetFeatures
+
+    tf = TargetFeatures.from_pretrained(tiny_target_dir, TargetContract((0, 2)))
+    seq, argmax, taps = greedy_reference(tf, [5, 6, 7, 8], 30, [1])
+    assert taps.shape[0] == len(seq) and argmax[3] == seq[4]
+    K = 4
+    rounds = replay_rounds(lambda pos: argmax[pos: pos + K], seq, argmax, 4, max_new_tokens=20, block_size=K,
+                           stop_ids=[1])
+    assert rounds and all(r.tau == K + 1 for r in rounds if not r.stopped)
