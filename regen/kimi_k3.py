@@ -81,10 +81,10 @@ class KimiK3Renderer:
         supervised = self._supervised
         for seg in segments:
             start = len(ids)
-            if seg.special:
+            if seg.parts is not None:
+                ids.extend(tok.encode_parts(seg.parts))
+            elif seg.special:
                 ids.extend(tok.encode_special(seg.text))
-            elif seg.cached:
-                ids.extend(tok.encode_cached(seg.text))
             else:
                 ids.extend(tok.encode_text(seg.text))
             if seg.message is not None:

@@ -19,13 +19,15 @@ Decisions where the spec leaves a choice (§2, §8):
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from typing import NamedTuple
 
+from regen.kimi_k3_messages import (  # noqa: F401  (RenderError re-exported)
+    RenderError, _Num, dump_value, order_tool_results, parse_arguments, validate_messages, value_type,
+)
 from regen.tokenizer import CLOSE, END_OF_MSG, OPEN, SEP
 
 IMAGE_PLACEHOLDER = "<|kimi_image_placeholder|>"
 VALID_EFFORTS = ("low", "high", "max")  # ENC `_VALID_THINKING_EFFORTS`
-KNOWN_ROLES = ("system", "user", "assistant", "tool")
 
 # Segment kinds. Everything outside assistant messages is "prompt" (incl. the generation prompt).
 PROMPT, ASSISTANT_OPEN, CHANNEL_OPEN, GENERATED, END = "prompt", "assistant_open", "channel_open", "generated", "end_of_msg"
@@ -43,30 +45,25 @@ JSON_OBJECT_BODY = ("The system is invoked with `response_format={t}`.\nYour res
 JSON_SCHEMA_TAIL = "\nThe JSON data must match the following schema:\n```json\n{j}\n```"
 
 
-class RenderError(ValueError):
-    """A conversation that cannot be rendered as a training row. `reason` is a short code for `rejected/`
-    (role_order, tool_result_without_call, bad_arguments, unknown_content_part, unknown_role, bad_message,
-    bad_option); `index` is the offending position in `messages` (None for an option). The message names both
-    and the fix."""
+class Segment(NamedTuple):
+    """One tokenization unit of the conversation.
 
-    def __init__(self, reason: str, detail: str, index: int | None = None):
-        where = f"messages[{index}]: " if index is not None else ""
-        super().__init__(f"{where}{detail}")
-        self.reason, self.index = reason, index
-
-
-@dataclass(frozen=True, slots=True)
-class Segment:
-    """One tokenization unit. text: the string; special: encode with control tokens allowed; kind: one of
-    prompt/assistant_open/channel_open/generated/end_of_msg; message: index of the assistant message in the
-    caller's `messages` (None outside assistant messages); cached: structural text worth caching (tag names,
-    attributes, fixed bodies)."""
+    text: the string. special: encode with control tokens allowed (§3). kind: prompt / assistant_open /
+    channel_open / generated / end_of_msg. message: index of the assistant message in the caller's `messages`
+    (None outside assistant messages). parts: for a run of consecutive STRUCTURAL segments of one kind (control
+    tokens, tag names, attributes, fixed bodies), the ENC segments it stands for as (text, special) pairs: each
+    part is still encoded on its own, the run's ids are only cached as a whole; None for content segments.
+    """
 
     text: str
     special: bool = False
     kind: str = PROMPT
     message: int | None = None
-    cached: bool = False
+    parts: tuple[tuple[str, bool], ...] | None = None
+
+    def units(self) -> tuple[tuple[str, bool], ...]:
+        """The ENC segments (text, allow_special) this segment encodes as, in order (§3)."""
+        return self.parts if self.parts is not None else ((self.text, self.special),)
 
 
 def escape_attr(value) -> str:
@@ -87,88 +84,50 @@ def compact_json(obj) -> str:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
 
 
-class _Num(str):
-    """A JSON number kept in its source spelling (`1e2` stays `1e2`, §2)."""
-
-
-def parse_arguments(arguments, index: int, call: int) -> tuple[dict | None, str | None]:
-    """`function.arguments` -> (arguments dict, None) or (None, raw text for a `json` block). §2 Tools section.
-
-    None / "" / whitespace -> ({}, None); a non-JSON string -> (None, raw); numbers in a JSON string keep their
-    spelling. Raises RenderError(bad_arguments) for JSON that is not an object or a value of another type.
-    """
-    if arguments is None:
-        return {}, None
-    if isinstance(arguments, dict):
-        return arguments, None
-    if not isinstance(arguments, str):
-        raise RenderError("bad_arguments", f"tool_calls[{call}].function.arguments is a {type(arguments).__name__}; "
-                                           "give a JSON object string or a dict", index)
-    if not arguments.strip():
-        return {}, None
-    try:
-        parsed = json.loads(arguments, parse_float=_Num, parse_int=_Num, parse_constant=_Num)
-    except ValueError:
-        return None, arguments
-    if not isinstance(parsed, dict):
-        raise RenderError("bad_arguments", f"tool_calls[{call}].function.arguments is JSON {type(parsed).__name__}, "
-                                           "not an object; Kimi-K3 arguments must be a JSON object", index)
-    return parsed, None
-
-
-def value_type(v) -> str:
-    """XTML `type` attribute of an argument value (ENC `_xtml_type`)."""
-    if isinstance(v, bool):
-        return "boolean"
-    if v is None:
-        return "null"
-    if isinstance(v, (_Num, int, float)):
-        return "number"
-    if isinstance(v, str):
-        return "string"
-    return "object" if isinstance(v, dict) else "array"
-
-
-def dump_value(v) -> str:
-    """JSON with `, ` and `: ` separators, source key order, non-ASCII kept, numbers in source spelling."""
-    if isinstance(v, _Num):
-        return str.__str__(v)
-    if isinstance(v, dict):
-        return "{" + ", ".join(f"{json.dumps(str(k), ensure_ascii=False)}: {dump_value(x)}" for k, x in v.items()) + "}"
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(dump_value(x) for x in v) + "]"
-    return json.dumps(v, ensure_ascii=False)
-
-
 class _Builder:
-    """Appends labelled segments; `kind`/`message` are the current labels."""
+    """Appends labelled segments; `kind`/`message` are the current labels (`label()` changes them). Consecutive
+    structural pieces of one label are collected into one Segment with `parts` (encoded part by part, cached)."""
 
     def __init__(self):
         self.out: list[Segment] = []
         self.kind, self.message = PROMPT, None
+        self._parts: list[tuple[str, bool]] = []
+
+    def label(self, kind: str, message: int | None = None) -> None:
+        self.flush()
+        self.kind, self.message = kind, message
+
+    def flush(self) -> None:
+        if self._parts:
+            parts = tuple(self._parts)
+            self._parts = []
+            self.out.append(Segment("".join(t for t, _ in parts), True, self.kind, self.message, parts))
 
     def control(self, text: str) -> None:
-        self.out.append(Segment(text, True, self.kind, self.message, True))
+        self._parts.append((text, True))
 
-    def text(self, text, cached: bool = False) -> None:
+    def struct(self, text: str) -> None:
         if text:
-            self.out.append(Segment(text, False, self.kind, self.message, cached))
+            self._parts.append((text, False))
+
+    def text(self, text) -> None:
+        if text:
+            self.flush()
+            self.out.append(Segment(text, False, self.kind, self.message))
 
     def open(self, tag: str, attrs=()) -> None:
-        self.control(OPEN)
-        self.text(tag, True)
+        self._parts.append((OPEN, True))
+        self._parts.append((tag, False))
         for k, v in attrs:
-            self.text(f' {k}="{escape_attr(v)}"', True)
-        self.control(SEP)
+            self._parts.append((f' {k}="{escape_attr(v)}"', False))
+        self._parts.append((SEP, True))
 
     def close(self, tag: str) -> None:
-        self.control(CLOSE)
-        self.text(tag, True)
-        self.control(SEP)
+        self._parts += ((CLOSE, True), (tag, False), (SEP, True))
 
     def internal(self, kind: str, body: str) -> None:
         self.open("message", (("role", "system"), ("type", kind)))
-        self.text(body.strip(), cached=len(body) <= 8192)
+        self.struct(body.strip())
         self.close("message")
         self.control(END_OF_MSG)
 
@@ -184,106 +143,13 @@ class _Builder:
         for j, part in enumerate(content):
             ptype = part.get("type") if isinstance(part, dict) else None
             if ptype in ("image", "image_url"):
+                self.flush()
                 self.out.append(Segment(IMAGE_PLACEHOLDER, True, self.kind, self.message))
             elif isinstance(part, dict) and isinstance(part.get("text"), str) and (ptype == "text" or not strict):
                 self.text(part["text"])
             else:
                 raise RenderError("unknown_content_part", f"content[{j}] has type {ptype!r}; Kimi-K3 renders "
                                   "'text' parts (with a string 'text') and 'image'/'image_url' parts only", index)
-
-
-def _call_index(message: dict) -> dict[str, tuple[int, str | None]]:
-    found: dict[str, tuple[int, str | None]] = {}
-    for pos, call in enumerate(message.get("tool_calls") or [], start=1):
-        fn = call.get("function", call) if isinstance(call, dict) else {}
-        if isinstance(call, dict) and call.get("id") is not None:
-            found.setdefault(str(call["id"]), (pos, fn.get("name") if isinstance(fn, dict) else None))
-    return found
-
-
-def order_tool_results(messages: list) -> list[tuple[int, dict, str | None]]:
-    """(original index, message, name from the matched call) in render order: ENC
-    `normalize_xtml_tool_result_messages` (§2 Reordering)."""
-    out: list[tuple[int, dict, str | None]] = []
-    calls: dict[str, tuple[int, str | None]] = {}
-    i = 0
-    while i < len(messages):
-        m = messages[i]
-        if not (isinstance(m, dict) and m.get("role") == "tool"):
-            if isinstance(m, dict) and m.get("role") == "assistant":
-                calls = _call_index(m)
-            out.append((i, m, None))
-            i += 1
-            continue
-        run = []
-        resolved = True
-        while i < len(messages) and isinstance(messages[i], dict) and messages[i].get("role") == "tool":
-            t = messages[i]
-            cid = t.get("tool_call_id", t.get("id"))
-            target = calls.get(str(cid)) if cid is not None else None
-            resolved = resolved and target is not None
-            run.append((target[0] if target else 0, i, t, target[1] if target else None))
-            i += 1
-        if resolved:
-            run.sort(key=lambda r: r[0])
-            out.extend((j, t, name) for _, j, t, name in run)
-        else:
-            out.extend((j, t, None) for _, j, t, _ in run)
-    return out
-
-
-def _validate(messages: list, strict: bool, unknown_roles: str) -> None:
-    if not isinstance(messages, list):
-        raise RenderError("bad_message", f"messages is a {type(messages).__name__}; give a list of message dicts")
-    if strict and not messages:
-        raise RenderError("bad_message", "messages is empty; give at least one message")
-    prev, pending_calls, calls, ids, results = None, False, [], set(), 0
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            if strict:
-                raise RenderError("bad_message", "each message must be a dict with a string 'role'", i)
-            continue
-        role = m["role"]
-        if role not in KNOWN_ROLES:
-            if unknown_roles == "error":
-                raise RenderError("unknown_role", f"role {role!r} is not one of {list(KNOWN_ROLES)}; map it (e.g. "
-                                  "developer -> system) or set unknown_roles='skip' (ENC drops it)", i)
-            continue
-        if role == "assistant":
-            for j, call in enumerate(m.get("tool_calls") or []):
-                fn = call.get("function", call) if isinstance(call, dict) else None
-                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-                    raise RenderError("bad_arguments", f"tool_calls[{j}] has no string function.name", i)
-            rc = m.get("reasoning_content", m.get("reasoning"))
-            if strict and rc is not None and not isinstance(rc, str):
-                raise RenderError("bad_message", f"reasoning_content is a {type(rc).__name__}; give a string or null", i)
-            if strict and prev == "assistant":
-                raise RenderError("role_order", "two assistant messages in a row; merge them or insert the "
-                                  "user/tool message between them", i)
-            if strict and pending_calls:
-                raise RenderError("role_order", "assistant message follows tool_calls that have no tool results; "
-                                  "add the tool messages or drop the calls", i)
-            calls = m.get("tool_calls") or []
-            ids = {str(c.get("id")) for c in calls if isinstance(c, dict) and c.get("id") is not None}
-            pending_calls, results = bool(calls), 0
-        elif role == "tool":
-            results += 1
-            if strict:
-                if not calls:
-                    raise RenderError("tool_result_without_call", "tool result with no tool_calls in the last "
-                                      "assistant message; drop it or add the assistant's call", i)
-                cid = m.get("tool_call_id", m.get("id"))
-                if cid is not None and ids and str(cid) not in ids:
-                    raise RenderError("tool_result_without_call", f"tool_call_id {cid!r} matches none of the last "
-                                      f"assistant's call ids {sorted(ids)}; fix the id", i)
-                if results > len(calls):
-                    raise RenderError("tool_result_without_call", f"tool result #{results} after an assistant "
-                                      f"message with {len(calls)} tool call(s); drop the extra result", i)
-            pending_calls = False
-        elif strict and pending_calls and role == "user":
-            raise RenderError("role_order", "user message right after tool_calls without tool results; add "
-                              "the tool messages first", i)
-        prev = role
 
 
 def _response_schema(response_format):
@@ -307,7 +173,7 @@ def build_segments(messages: list, tools: list | None = None, *, thinking: bool 
     """
     if unknown_roles not in ("error", "skip"):
         raise RenderError("bad_option", f"unknown_roles={unknown_roles!r}; give 'error' or 'skip'")
-    _validate(messages, strict, unknown_roles)
+    validate_messages(messages, strict, unknown_roles)
     effort = (effort_aliases or {}).get(thinking_effort, thinking_effort) if thinking_effort is not None else None
     if thinking and effort is not None and effort not in VALID_EFFORTS:
         raise RenderError("bad_option", f"thinking_effort={thinking_effort!r}; Kimi-K3 accepts {list(VALID_EFFORTS)} "
@@ -358,20 +224,21 @@ def build_segments(messages: list, tools: list | None = None, *, thinking: bool 
         schema = compact_json(deep_sort(_response_schema(response_format)))
         b.internal("response-format", JSON_OBJECT_BODY.format(t="json_schema") + JSON_SCHEMA_TAIL.format(j=schema))
     if add_generation_prompt:
-        b.kind, b.message = PROMPT, None
+        b.label(PROMPT)
         b.open("message", (("role", "assistant"),))
         b.open("think" if thinking else "response")
+    b.flush()
     return b.out
 
 
 def _assistant(b: _Builder, m: dict, i: int, thinking: bool, strict: bool) -> None:
     """An assistant message (§2), labelled: assistant_open, channel_open, generated..., end_of_msg."""
-    b.kind, b.message = ASSISTANT_OPEN, i
+    b.label(ASSISTANT_OPEN, i)
     b.open("message", (("role", "assistant"),))
-    b.kind = CHANNEL_OPEN
+    b.label(CHANNEL_OPEN, i)
     if thinking:
         b.open("think")
-        b.kind = GENERATED
+        b.label(GENERATED, i)
         reasoning = m.get("reasoning_content") or m.get("reasoning")
         if reasoning is not None and str(reasoning).strip():
             b.text(str(reasoning))
@@ -379,7 +246,7 @@ def _assistant(b: _Builder, m: dict, i: int, thinking: bool, strict: bool) -> No
         b.open("response")
     else:
         b.open("response")
-        b.kind = GENERATED
+        b.label(GENERATED, i)
     b.content(m.get("content"), i, strict)
     b.close("response")
     calls = m.get("tool_calls") or []
@@ -404,6 +271,6 @@ def _assistant(b: _Builder, m: dict, i: int, thinking: bool, strict: bool) -> No
             b.close("call")
         b.close("tools")
     b.close("message")
-    b.kind = END
+    b.label(END, i)
     b.control(END_OF_MSG)
-    b.kind, b.message = PROMPT, None
+    b.label(PROMPT)

@@ -53,6 +53,7 @@ END_OF_MSG, OPEN, CLOSE, SEP = "<|end_of_msg|>", "<|open|>", "<|close|>", "<|sep
 
 TIKTOKEN_MAX_ENCODE_CHARS = 400_000  # §3 / TOK `_encode_text_piece`
 MAX_NO_WHITESPACES_CHARS = 25_000
+CACHE_MAX_CHARS = 16_000_000  # bound on the structural-run cache (keys' characters)
 
 
 def split_runs(s: str, max_run: int = MAX_NO_WHITESPACES_CHARS) -> list[str]:
@@ -140,7 +141,8 @@ class KimiTokenizer:
         self.is_test_vocab = bool(config.get("regen_test_vocabulary"))
         self.num_ranks = len(ranks)
         self._special_cache: dict[str, tuple[int, ...]] = {}
-        self._text_cache: dict[str, tuple[int, ...]] = {}
+        self._parts_cache: dict[tuple, tuple[int, ...]] = {}
+        self._cache_chars = 0
         self._encode_ordinary = self.encoding.encode_ordinary
 
     # --- §3 segment encoding -------------------------------------------------------------------------------
@@ -152,13 +154,19 @@ class KimiTokenizer:
             self._special_cache[text] = ids
         return ids
 
-    def encode_cached(self, text: str) -> tuple[int, ...]:
-        """A short structural text segment (tag name, attribute): plain BPE, cached (bounded to 65,536 keys)."""
-        ids = self._text_cache.get(text)
+    def encode_parts(self, parts: tuple[tuple[str, bool], ...]) -> tuple[int, ...]:
+        """A run of structural segments, each (text, allow_special) encoded on its own (§3) and concatenated.
+        Cached per run until the cache holds CACHE_MAX_CHARS characters of keys."""
+        ids = self._parts_cache.get(parts)
         if ids is None:
-            ids = tuple(self.encode_text(text))
-            if len(self._text_cache) < 65_536:
-                self._text_cache[text] = ids
+            out: list[int] = []
+            for text, special in parts:
+                out.extend(self.encode_special(text) if special else self.encode_text(text))
+            ids = tuple(out)
+            size = sum(len(t) for t, _ in parts)
+            if self._cache_chars + size <= CACHE_MAX_CHARS:
+                self._parts_cache[parts] = ids
+                self._cache_chars += size
         return ids
 
     def encode_text(self, text: str) -> list[int]:

@@ -88,3 +88,10 @@ def test_bad_constructor_options(kimi):
         KimiK3Renderer(kimi.tokenizer, unknown_roles="maybe").render([U])
     with pytest.raises(RenderError, match="unknown Kimi-K3 template kwargs"):
         KimiK3Renderer(kimi.tokenizer, template_defaults={"preserve_thinking": True})
+
+
+def test_render_error_pickles_with_its_reason():
+    import pickle
+
+    err = pickle.loads(pickle.dumps(RenderError("role_order", "two assistant messages in a row", 3)))
+    assert (err.reason, err.index, str(err)) == ("role_order", 3, "messages[3]: two assistant messages in a row")

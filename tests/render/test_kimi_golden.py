@@ -210,8 +210,9 @@ def test_content_parts_are_separate_segments_and_images_placeholders(kimi):
     assert got.text == ('<|open|>message role="user"<|sep|>first part second part<|kimi_image_placeholder|>'
                         "<|close|>message<|sep|><|end_of_msg|>")
     tok = kimi.tokenizer
-    segs = [s.text for s in kimi.segments(msgs, thinking_effort=None, add_generation_prompt=False)]
-    assert segs[4:7] == ["first part ", "second part", "<|kimi_image_placeholder|>"]
+    units = [u for s in kimi.segments(msgs, thinking_effort=None, add_generation_prompt=False) for u in s.units()]
+    assert units[3:8] == [("<|sep|>", True), ("first part ", False), ("second part", False),
+                          ("<|kimi_image_placeholder|>", True), ("<|close|>", True)]
     # BPE never merges across segments: ids are the concatenation of each part's ids
     start = got.input_ids.index(163589) + 1
     n1, n2 = len(tok.encode_text("first part ")), len(tok.encode_text("second part"))
@@ -223,3 +224,12 @@ def test_placeholder_typed_in_text_stays_text(kimi):
                       thinking_effort=None, add_generation_prompt=False)
     assert "see <|kimi_image_placeholder|> and <|open|>" in got.text
     assert got.input_ids.count(163587) == 1  # only the real opener
+
+
+def test_enc_segments_of_a_user_message(kimi):
+    """§3: control tokens, the tag name and each attribute are separate segments; empty segments are dropped."""
+    segs = kimi.segments([{"role": "user", "name": "n", "content": ""}], thinking_effort=None,
+                         add_generation_prompt=False)
+    assert [u for s in segs for u in s.units()] == [
+        ("<|open|>", True), ("message", False), (' role="user"', False), (' name="n"', False), ("<|sep|>", True),
+        ("<|close|>", True), ("message", False), ("<|sep|>", True), ("<|end_of_msg|>", True)]

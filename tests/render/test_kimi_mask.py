@@ -126,11 +126,11 @@ def test_span_tokens_decode_to_exactly_the_generated_text(msgs, thinking, policy
     assert r.tokenizer.decode_bytes(got.input_ids).decode("utf-8") == got.text
     segs = r.segments(msgs, thinking=thinking, thinking_effort="high", add_generation_prompt=gen_prompt)
     for tok_id, literal in ((163589, SEP), (163587, OPEN), (163588, CLOSE), (163586, END_OF_MSG)):
-        assert got.input_ids.count(tok_id) == sum(1 for s in segs if s.special and s.text == literal)
-    # BPE never merges across segments: the ids are the concatenation of each segment's own ids
+        assert got.input_ids.count(tok_id) == sum(1 for s in segs for t, sp in s.units() if sp and t == literal)
+    # BPE never merges across (ENC) segments: the ids are the concatenation of each segment's own ids
     pos = 0
-    for seg in segs:
-        ids = r.tokenizer.encode_special(seg.text) if seg.special else r.tokenizer.encode_text(seg.text)
+    for text, special in (unit for seg in segs for unit in seg.units()):
+        ids = r.tokenizer.encoding.encode(text, allowed_special="all") if special else r.tokenizer.encode_text(text)
         assert tuple(got.input_ids[pos:pos + len(ids)]) == tuple(ids)
         pos += len(ids)
     assert pos == len(got.input_ids)
