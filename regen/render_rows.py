@@ -11,6 +11,8 @@ turn; loss on that turn only), then:
   §5; HF: the end-of-turn token). `prompt_token_ids` are compared with the rendered prompt ids; a mismatch is
   counted by cause (server_bos, renderer_bos, tokenization = same text other ids, template = other text) and
   the row is dropped or kept with the server's prompt ids (`on_drift`).
+- a truncated row (finish_reason "length") kept by a profile without the `truncated` filter keeps its closing
+  markers in `input_ids` (the row stays well formed) but not under the mask: the target never emitted them.
 - limits: rows over `max_tokens` are dropped or cut after the last assistant turn that fits (`overlong`); rows
   with a zero mask or fewer than `min_loss_tokens` supervised tokens are rejected.
 
@@ -238,6 +240,9 @@ class RowRenderer:
         turn = row.get("turn") if row.get("turn") is not None else sum(m["role"] == "assistant" for m in messages) - 1
         if cfg.use_server_ids and row.get("completion_token_ids") is not None:
             ids, s, e = self._server_ids(row, list(ids), s, e)
+        if row.get("finish_reason") == "length" and self.closing and ids[e - len(self.closing):e] == self.closing:
+            e -= len(self.closing)  # kept truncated row: the target never emitted its closing markers
+            self.counts["truncated_closing_unsupervised"] += 1
         if len(ids) > cfg.max_tokens:
             if cfg.overlong == "drop":
                 raise Reject("over_long", f"{len(ids)} tokens after rendering (max {cfg.max_tokens})", len(ids))

@@ -1,0 +1,100 @@
+"""The render stage with a Hugging Face chat template: the embedded target's own template (regen.prepare_model)
+on a tiny offline tokenizer, through both mask paths, with the mask property over every written row."""
+from __future__ import annotations
+
+import pyarrow.parquet as pq
+import pytest
+
+from regen.config.render import RenderConfig
+from regen.hf_template import HFTemplateRenderer
+from regen.prepare_model import CHAT_TEMPLATE
+from regen.render import run_render
+from regen.rundir import RunDir
+from render_fixtures import generation_row, write_generations
+
+U1 = {"role": "user", "content": "What is the sum of two and three? Explain it briefly."}
+TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+CALL = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}
+
+
+def rows() -> list[dict]:
+    a0 = {"role": "assistant", "content": "Two plus three is five, as you can count."}
+    return [
+        generation_row("h1", 0, [{"role": "system", "content": "Be brief."}, U1],
+                       content="The sum of two and three is five, because counting on from two gives five."),
+        generation_row("h2", 0, [U1], content=a0["content"]),
+        generation_row("h2", 1, [U1, a0, {"role": "user", "content": "Times ten?"}],
+                       content="Five times ten is fifty, which is the answer you asked for."),
+        generation_row("h3", 0, [U1], tools=TOOLS, content="Let me call the tool for this one.", tool_calls=[CALL]),
+        generation_row("h3", 1, [U1, {"role": "assistant", "content": "Let me call the tool for this one.",
+                                      "tool_calls": [CALL]}, {"role": "tool", "tool_call_id": "c1", "content": "5"}],
+                       tools=TOOLS, content="The tool says five. Bonjour is not needed here at all."),
+    ]
+
+
+def generated_text(row: dict) -> str:
+    """What the embedded template renders for the generated turn inside {% generation %} (prepare_model)."""
+    text = row["content"] or ""
+    for c in row["tool_calls"] or []:
+        text += '<tool_call>\n{"name": "' + c["function"]["name"] + '", "arguments": ' + c["function"]["arguments"] + "}\n</tool_call>"
+    return text + "<end_of_turn>"
+
+
+@pytest.mark.parametrize("mask", ["markers", "prefix"])
+def test_embedded_template_every_row_masks_exactly_the_generated_text(tmp_path, make_hf_dir, mask):
+    tok_dir = make_hf_dir(CHAT_TEMPLATE, "embedded-template")
+    write_generations(tmp_path, rows())
+    run = RunDir.at(tmp_path)
+    cfg = RenderConfig(renderer="hf", tokenizer=str(tok_dir), hf_mask=mask, max_tokens=2048)
+    m = run_render(cfg, run, progress=False)
+    r = HFTemplateRenderer(tok_dir, mask=mask)
+    by_key = {(x["prompt_id"], x["turn"]): x for x in rows()}
+    samples = [s for e in m["shards"] for s in pq.read_table(run.shards / e["path"]).to_pylist()]
+    assert len(samples) == len(rows()) == m["num_rows"]
+    for s in samples:
+        (span,) = s["loss_spans"]
+        assert r.decode(s["input_ids"][span["start"]:span["end"]]) == generated_text(by_key[(s["prompt_id"], s["turn"])])
+        assert r.decode(s["input_ids"][:span["start"]]).endswith("<start_of_turn>model\n")
+        assert r.decode(s["input_ids"][span["end"]:]) == "\n"
+    assert m["contract"]["renderer"] == "hf" and m["contract"]["mask_policy"] == f"hf-{mask}"
+    assert m["contract"]["tokenizer_name"] == "embedded-template"
+
+
+def test_hf_server_ids_with_eos_and_trimmed_stop(tmp_path, make_hf_dir):
+    tok_dir = make_hf_dir(CHAT_TEMPLATE, "embedded-template-srv")
+    r = HFTemplateRenderer(tok_dir)
+    eot = r.tokenizer.convert_tokens_to_ids("<end_of_turn>")
+    out = []
+    for i, (suffix, name) in enumerate([([eot, r.tokenizer.eos_token_id], "eos"), ([], "trimmed"), ([eot], "exact")]):
+        row = generation_row(f"s{i}", 0, [U1], content=f"Answer {name}: the sum is five, as expected.")
+        msgs = [U1, {"role": "assistant", "content": row["content"]}]
+        rendered = r.render(msgs)
+        s, e = rendered.assistant_spans[-1]
+        row["prompt_token_ids"] = rendered.input_ids[:s]
+        row["completion_token_ids"] = r.encode(row["content"]) + suffix
+        out.append(row)
+    write_generations(tmp_path, out)
+    run = RunDir.at(tmp_path)
+    m = run_render(RenderConfig(renderer="hf", tokenizer=str(tok_dir), max_tokens=2048), run, progress=False)
+    assert m["num_rows"] == 3 and m["drift"]["rows_checked"] == 3 and m["drift"]["rows_drifted"] == 0
+    assert m["row_counts"]["closing_appended"] == 1
+    for s in pq.read_table(run.shards / m["shards"][0]["path"]).to_pylist():
+        (span,) = s["loss_spans"]
+        content = next(x["content"] for x in out if x["prompt_id"] == s["prompt_id"])
+        assert r.decode(s["input_ids"][span["start"]:span["end"]]) == content + "<end_of_turn>"
+
+
+def test_kept_truncated_rows_do_not_supervise_closing_markers(tmp_path, make_hf_dir):
+    tok_dir = make_hf_dir(CHAT_TEMPLATE, "embedded-template-trunc")
+    row = generation_row("t1", 0, [U1], content="Counting on from two we get three, four and then", finish_reason="length")
+    write_generations(tmp_path, [row])
+    run = RunDir.at(tmp_path)
+    filters = [f for f in RenderConfig().filters if f != "truncated"]
+    m = run_render(RenderConfig(renderer="hf", tokenizer=str(tok_dir), max_tokens=2048, filters=filters), run,
+                   progress=False)
+    (s,) = pq.read_table(run.shards / m["shards"][0]["path"]).to_pylist()
+    (span,) = s["loss_spans"]
+    r = HFTemplateRenderer(tok_dir)
+    assert r.decode(s["input_ids"][span["start"]:span["end"]]) == row["content"]
+    assert r.decode(s["input_ids"][span["end"]:]) == "<end_of_turn>\n"
+    assert m["row_counts"]["truncated_closing_unsupervised"] == 1
