@@ -90,3 +90,13 @@ def test_installed_command(repo_root):
                           capture_output=True, timeout=120, cwd=repo_root)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["text"].endswith(GENERATED + "<|end_of_msg|>")
+
+
+def test_hf_profile_delegates_to_the_hf_renderer(monkeypatch, capsys, gemma_dir):
+    payload = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}],
+               "kwargs": {"add_generation_prompt": False}}
+    monkeypatch.setattr(sys, "stdin", io.StringIO(json.dumps(payload)))
+    rc = cli(["show-render", "--profile", "local", "--tokenizer", str(gemma_dir), "--pretty"])
+    out = capsys.readouterr()
+    assert rc == 0 and "TEST vocabulary" not in out.err
+    assert "⟦" in out.out and "hello there" in out.out.split("⟦", 1)[1].split("⟧", 1)[0]
