@@ -7,8 +7,8 @@ Source: `shared/docs/kimi-k3-format.md` §3 (segment encoding, 400,000-char chun
 - `tiktoken.model`: one `base64(token bytes) rank` line per BPE rank (163,584 ranks for the real vocabulary);
 - `tokenizer_config.json`: `added_tokens_decoder` {"<id>": {"content": "<|open|>", ...}} naming control ids.
 
-The control block is 256 ids starting at the lowest id in `added_tokens_decoder` (the real file: 163584 =
-len(ranks)); unnamed ids are `<|reserved_token_<id>|>` as in the checkpoint's `tokenization_kimi.py`. The test
+The control block is 256 ids starting at len(ranks) (TOK; 163584 for the real file), or at the lowest id in
+`added_tokens_decoder` when the named ids lie elsewhere (the test vocabulary); unnamed ids are `<|reserved_token_<id>|>` as in the checkpoint's `tokenization_kimi.py`. The test
 vocabulary (`data/tokenizers/kimi-k3-test/`, built by `build_test_vocab` in `regen/test_vocab.py`) has few BPE
 ranks but the REAL control ids, so control ids in tests are the ones the target uses.
 """
@@ -125,7 +125,9 @@ class KimiTokenizer:
         config = json.loads(config_path.read_text(encoding="utf-8"))
         named = {int(k): (v["content"] if isinstance(v, dict) else str(v))
                  for k, v in (config.get("added_tokens_decoder") or {}).items()}
-        base = min(named) if named else len(ranks)
+        base = len(ranks)  # TOK: the control block follows the ranks ...
+        if named and not all(base <= i < base + NUM_CONTROL_TOKENS for i in named):
+            base = min(named)  # ... or, in a test vocabulary with few ranks, starts at the lowest named id
         if base < len(ranks) and max(ranks.values()) >= base:
             raise InputError(f"{config_path}: control id {base} collides with BPE ranks (max "
                              f"{max(ranks.values())}); added_tokens_decoder must start after the ranks")
