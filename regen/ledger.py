@@ -151,6 +151,15 @@ def read_index(directory: Path, columns: list[str] | None = None) -> pa.Table:
     return pa.concat_tables(tables)
 
 
+def recorded_keys(directory: Path) -> set[str]:
+    """Read-only: request keys recorded so far (parts and acknowledged journal lines), as after `recover`."""
+    directory = Path(directory)
+    keys = set(read_index(directory, ["request_key"]).column("request_key").to_pylist())
+    for j in sorted(directory.glob("journal-*.jsonl")):
+        keys.update(r["request_key"] for r in _read_jsonl(j))
+    return keys
+
+
 def load_rows(directory: Path, prompt_ids: set[str]) -> list[dict]:
     """Full rows of the given prompt ids (used to rebuild the history of conversations cut by a crash)."""
     if not prompt_ids:
