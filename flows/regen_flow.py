@@ -1,0 +1,129 @@
+"""The Prefect 3 flow `regen`: the main job's stages as tasks, each calling one stage entry with paths and its
+sub-config (the same step functions as `regen run`, `regen.pipeline`). No stage imports Prefect.
+
+    flow regen(profile="local", run_dir="runs/local", overrides={}, train=None)
+      select -> generate (inside the embedded target when serve.enabled) -> filter -> render -> train (optional)
+
+Resume is the stages' own (exactly-once by request key, manifests and cursors), not Prefect's result cache:
+tasks have no cache policy and persist no results, so rerunning the flow on the same `run_dir` finishes what
+an interrupted run left. Each task publishes one Markdown artifact (key `regen-<step>`): the mix table, counts
+and reject reasons, throughput and error classes. Artifacts hold counts only: never endpoints' credentials,
+API keys, or prompt text.
+
+Deployments (`flows/deploy.py`): `regen/local` and `regen/kimi-k3`; parameters are overridable per run, e.g.
+`prefect deployment run regen/local --param run_dir=runs/demo --param overrides='{"select.total": 48}'`.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
+
+from regen import pipeline, summary
+from regen.config import load_profile, resolve_path
+from regen.config.generate import GenerateConfig
+from regen.config.render import RenderConfig
+from regen.config.select import SelectConfig
+from regen.config.serve import ServeConfig
+from regen.config.train import TrainConfig
+from regen.rundir import RunDir
+
+TASK_OPTIONS = dict(cache_policy=NO_CACHE, persist_result=False, retries=0)
+
+
+def _run(run_dir: str) -> RunDir:
+    return RunDir.at(resolve_path(run_dir))
+
+
+def _publish(step: str, markdown: str, description: str) -> None:
+    create_markdown_artifact(markdown=markdown, key=f"regen-{step}", description=description)
+
+
+def _rejects(run: RunDir, stage: str) -> summary.Table:
+    cols, rows = summary.reject_table(summary.connect(run.root))
+    return cols, [r for r in rows if r[0] == stage]
+
+
+@task(name="select", **TASK_OPTIONS)
+def select_task(select: SelectConfig, seed: int, run_dir: str) -> dict:
+    run = _run(run_dir)
+    pipeline.step_select(select, run, seed=seed, progress=False)
+    con = summary.connect(run.root)
+    md = summary.markdown_table(summary.mix_table(con), "Mix (prompts per category)")
+    md += "\n" + summary.markdown_table(summary.language_table(con), "Languages")
+    md += "\n" + summary.markdown_table(_rejects(run, "select"), "Rejected by the prompt filters")
+    _publish("select", md, "selected prompt mix and prompt-filter rejects")
+    return summary.stage_counts(run.root).get("select", {})
+
+
+@task(name="generate", **TASK_OPTIONS)
+def generate_task(generate: GenerateConfig, serve: ServeConfig, run_dir: str) -> dict:
+    run = _run(run_dir)
+    logger = get_run_logger()
+    pipeline.step_generate(generate, serve, run, progress=False, log=logger.info)
+    counts = summary.stage_counts(run.root).get("generate", {})
+    plain = {k: v for k, v in counts.items() if not isinstance(v, dict)}
+    md = summary.dict_markdown(plain, "Generations: accounting and throughput")
+    for key, title in (("error_rows_by_class", "Error rows by class"), ("failures_by_class", "Failed attempts by class")):
+        md += "\n" + summary.markdown_table((["class", "count"], sorted((counts.get(key) or {}).items())), title)
+    md += "\n" + summary.markdown_table(summary.generation_table(summary.connect(run.root)), "Rows by outcome")
+    _publish("generate", md, "generation counts, throughput and error classes")
+    logger.info("generate: %s", plain)
+    return plain
+
+
+@task(name="filter", **TASK_OPTIONS)
+def filter_task(render: RenderConfig, run_dir: str) -> dict:
+    run = _run(run_dir)
+    pipeline.step_filter(render, run, progress=False)
+    counts = summary.stage_counts(run.root).get("filter", {})
+    md = summary.dict_markdown({k: v for k, v in counts.items() if not isinstance(v, dict)}, "Response filters")
+    md += "\n" + summary.markdown_table(_rejects(run, "render"), "Rejected rows by filter (render stage)")
+    _publish("filter", md, "response-filter counts and reject reasons")
+    return counts
+
+
+@task(name="render", **TASK_OPTIONS)
+def render_task(render: RenderConfig, run_dir: str) -> dict:
+    run = _run(run_dir)
+    pipeline.step_render(render, run, progress=False)
+    counts = summary.stage_counts(run.root).get("render", {})
+    md = summary.dict_markdown(counts, "Shards")
+    md += "\n" + summary.markdown_table(summary.mix_table(summary.connect(run.root)), "Mix (prompts and samples)")
+    _publish("render", md, "shards written, drift rate and the final mix")
+    return counts
+
+
+@task(name="train", **TASK_OPTIONS)
+def train_task(train: TrainConfig, run_dir: str) -> dict:
+    result = pipeline.step_train(train, _run(run_dir))
+    plain = {k: v for k, v in (result or {}).items() if isinstance(v, (int, float, str, bool))}
+    _publish("train", summary.dict_markdown(plain, "Training"), "draft training summary")
+    return plain
+
+
+@flow(name="regen", log_prints=True, persist_result=False)
+def regen(profile: str = "local", run_dir: str = "runs/local", overrides: dict[str, Any] | None = None,
+          train: bool | None = None) -> dict:
+    """Run a profile's stages on `run_dir` (relative to the repository root unless absolute).
+
+    overrides: dotted profile keys -> values, as `--set` on the command line (e.g. {"select.total": 48}).
+    train: force `train.enabled` on or off (None = the profile's).
+    """
+    prof = load_profile(profile, dict(overrides or {}))
+    if train is not None:
+        prof = prof.model_copy(update={"train": prof.train.model_copy(update={"enabled": train})})
+    render = pipeline.effective_render_config(prof.render, prof.serve)
+    out = {"select": select_task(prof.select, prof.seed, run_dir)}
+    out["generate"] = generate_task(prof.generate, prof.serve, run_dir)
+    out["filter"] = filter_task(render, run_dir)
+    out["render"] = render_task(render, run_dir)
+    if prof.train.enabled:
+        out["train"] = train_task(prof.train, run_dir)
+    return out
+
+
+if __name__ == "__main__":
+    regen()

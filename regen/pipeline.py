@@ -1,0 +1,167 @@
+"""`regen run`: the main job. Every stage of a profile in order, resumable, on one run directory.
+
+    regen run --profile local --run runs/local [--set select.total=24 --set generate.max_tokens=16] [--no-progress]
+
+Steps (each calls one stage entry with its sub-config):
+  select    regen.select.run_select(profile.select, run, seed=profile.seed)
+  generate  regen.generate.run_generate(profile.generate, run, endpoints=...) -- when `serve.enabled`, inside
+            `regen.serve.EmbeddedTarget(profile.serve)`, with `model` and `endpoints` set to the served ones
+  filter    regen.render.filter_responses(profile.render, run)
+  render    regen.render.run_render(profile.render, run)            (rendered, assistant-masked shards)
+  train     regen.train.run_train(profile.train, run)               (only when `train.enabled`)
+then prints the stage counts and runs the DuckDB mix query (`regen.summary.MIX_SQL`) over the run's views.
+
+Resume: each stage resumes from its own outputs (select: same config hash + seed returns its manifest; generate:
+the request ledger never asks for a recorded (prompt, turn) again; render: its cursor). Rerunning the command on
+the same run directory finishes an interrupted run. Stage wall times are appended to `<run>/pipeline.json`.
+The same step functions back the Prefect flow (`flows/regen_flow.py`).
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from contextlib import contextmanager
+
+from regen.config import Profile
+from regen.config.generate import GenerateConfig
+from regen.config.render import RenderConfig
+from regen.config.select import SelectConfig
+from regen.config.serve import ServeConfig
+from regen.config.train import TrainConfig
+from regen.rundir import RunDir
+from schemas.io import read_json, write_json_atomic
+
+STEPS = ("select", "generate", "filter", "render", "train")
+
+
+def effective_render_config(render: RenderConfig, serve: ServeConfig) -> RenderConfig:
+    """The hf renderer without a tokenizer renders with the embedded target's own tokenizer and template."""
+    if serve.enabled and render.renderer == "hf" and not render.tokenizer:
+        return render.model_copy(update={"tokenizer": serve.model_dir})
+    return render
+
+
+def step_select(select: SelectConfig, run: RunDir, *, seed: int, progress: bool = True) -> dict:
+    from regen.select import run_select
+
+    return run_select(select, run, seed=seed, progress=progress)
+
+
+def step_generate(generate: GenerateConfig, serve: ServeConfig, run: RunDir, *, progress: bool = True,
+                  log=print) -> dict:
+    """Generate; with `serve.enabled`, against the embedded target started here and stopped after.
+
+    The served model id and URL replace `generate.model` and `generate.endpoints`. The server's log (one access
+    line per request) goes to `<run>/serve/server.log`, appended across sessions.
+    """
+    from regen.generate import run_generate
+
+    if not serve.enabled:
+        return run_generate(generate, run, progress=progress)
+    from regen.serve import EmbeddedTarget
+
+    with EmbeddedTarget(serve, log_path=run.root / "serve" / "server.log") as target:
+        log(f"embedded target {target.model} ready at {target.base_url} in {target.ready_s:.0f}s (pid {target.pid})")
+        cfg = generate.model_copy(update={"model": target.model, "endpoints": [target.base_url]})
+        return run_generate(cfg, run, endpoints=[target.base_url], progress=progress)
+
+
+def step_filter(render: RenderConfig, run: RunDir, *, progress: bool = True) -> dict:
+    from regen.render import filter_responses
+
+    return filter_responses(render, run, progress=progress)
+
+
+def step_render(render: RenderConfig, run: RunDir, *, progress: bool = True) -> dict:
+    from regen.render import run_render
+
+    return run_render(render, run, progress=progress)
+
+
+def step_train(train: TrainConfig, run: RunDir) -> dict:
+    from regen.train import run_train
+
+    return run_train(train, run)
+
+
+@contextmanager
+def _timed(record: dict, name: str, log):
+    t0 = time.time()
+    log(f"== {name}")
+    try:
+        yield
+    finally:
+        record[name] = {"started": t0, "wall_s": round(time.time() - t0, 3)}
+        log(f"== {name} done in {record[name]['wall_s']:.1f}s")
+
+
+def run_pipeline(profile: Profile, run: RunDir, *, progress: bool = True, log=print) -> dict:
+    """Run every enabled step of `profile` on `run`; returns {step: manifest or summary}.
+
+    Raises the stages' InputError on bad input; any stage error stops the pipeline (outputs written so far stay,
+    and a rerun resumes).
+    """
+    render = effective_render_config(profile.render, profile.serve)
+    timings: dict = {}
+    results: dict = {}
+    session = {"profile": profile.name, "started": time.time(), "steps": timings}
+    try:
+        with _timed(timings, "select", log):
+            results["select"] = step_select(profile.select, run, seed=profile.seed, progress=progress)
+        with _timed(timings, "generate", log):
+            results["generate"] = step_generate(profile.generate, profile.serve, run, progress=progress, log=log)
+        with _timed(timings, "filter", log):
+            results["filter"] = step_filter(render, run, progress=progress)
+        with _timed(timings, "render", log):
+            results["render"] = step_render(render, run, progress=progress)
+        if profile.train.enabled:
+            with _timed(timings, "train", log):
+                results["train"] = step_train(profile.train, run)
+        session["status"] = "completed"
+    except BaseException as exc:
+        session["status"] = f"failed: {type(exc).__name__}"
+        raise
+    finally:
+        path = run.root / "pipeline.json"
+        state = read_json(path) or {"sessions": []}
+        state["sessions"].append(session)
+        write_json_atomic(state, path)
+    return results
+
+
+def print_summary(run: RunDir) -> None:
+    """Stage counts, generation outcomes, rejects and the mix (with the SQL that makes it)."""
+    from regen import summary
+    from regen.query import print_table
+
+    counts = summary.stage_counts(run.root)
+    for stage, c in counts.items():
+        print(f"{stage:9s} " + ", ".join(f"{k}={v}" for k, v in c.items() if v not in (None, {}, [])))
+    con = summary.connect(run.root)
+    for title, table in (("generations", summary.generation_table(con)), ("rejected", summary.reject_table(con))):
+        if table[1]:
+            print_table(*table, title=title)
+    print(f"\nThe mix (DuckDB over {run.root}/views.sql):")
+    print(f'  regen query --run {run.root} "{summary.MIX_SQL}"')
+    print_table(*summary.mix_table(con), title="mix")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from regen.cli import add_profile_arguments
+
+    add_profile_arguments(parser)
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def main(args) -> int:
+    from regen.cli import load_profile_from_args
+
+    profile, run = load_profile_from_args(args)
+    print(f"regen run: profile {profile.name}, run directory {run.root}", flush=True)
+    t0 = time.time()
+    results = run_pipeline(profile, run, progress=not args.no_progress)
+    print(f"\nregen run: finished in {time.time() - t0:.0f}s: {run.root}")
+    print_summary(run)
+    gen = results.get("generate") or {}
+    return 0 if (gen.get("accounting") or {}).get("balanced", True) else 1
+
