@@ -250,6 +250,10 @@ def run_render(cfg: RenderConfig, run: RunDir, *, progress: bool = True, force: 
                     state.counts["duplicates"] += 1
                     continue
                 state.seen.add(sample["sample_id"])
+                if not state.writer.fits(sample):  # close the shard before this row: cursor = the row before it
+                    state.position = {"file": fi, "row": pos}
+                    state.checkpoint(rows_renderer, None)
+                    state.position = {"file": fi, "row": pos + 1}
                 closed = state.writer.add(sample)
                 if closed or len(state.pending_rejects) >= PENDING_REJECTS_CHECKPOINT:
                     state.checkpoint(rows_renderer, closed)

@@ -87,7 +87,8 @@ class ShardWriter:
     """Buffers shard rows and writes `shard-NNNNN.parquet` files of at most `max_rows` rows / `max_tokens` tokens.
 
     directory: the run's `shards/`. next_index: the index of the next shard (resume). `add(row)` returns the
-    manifest entry of a shard it closed (or None); `flush()` closes the current shard if it has rows.
+    manifest entry of a shard it closed (or None); `flush()` closes the current shard if it has rows; `fits(row)`
+    says whether `row` still fits under `max_tokens`.
     Entries: {"path", "rows", "tokens", "loss_tokens", "bytes", "sha256"}.
     """
 
@@ -100,7 +101,14 @@ class ShardWriter:
         self.rows: list[dict] = []
         self.num_tokens = 0
 
+    def fits(self, row: dict) -> bool:
+        """False when adding `row` would take a non-empty shard past `max_tokens` (flush first)."""
+        return not self.rows or self.num_tokens + len(row["input_ids"]) <= self.max_tokens
+
     def add(self, row: dict) -> dict | None:
+        """Buffer `row`; close the shard (returning its entry) once it has `max_rows` rows or `max_tokens` tokens.
+        Call `flush()` first when `fits(row)` is False, so no shard passes `max_tokens` (a single longer row
+        makes a shard of its own)."""
         self.rows.append(row)
         self.num_tokens += len(row["input_ids"])
         if len(self.rows) >= self.max_rows or self.num_tokens >= self.max_tokens:

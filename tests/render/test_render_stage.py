@@ -268,15 +268,18 @@ def test_overlong_drop_or_cut_and_min_loss_tokens(tmp_path):
     assert all("supervised tokens (min 10000)" in x["reason"] for x in read_rejects(run))
 
 
-def test_deterministic_and_resumable(tmp_path, monkeypatch):
+@pytest.mark.parametrize("size", [{"shard_max_rows": 2}, {"shard_max_tokens": 300}])
+def test_deterministic_and_resumable(tmp_path, monkeypatch, size):
     rows = good_rows()
     for d in ("a", "b", "c"):
         write_generations(tmp_path / d, rows, parts=2)
-    ma = run_render(k3_cfg(shard_max_rows=2), RunDir.at(tmp_path / "a"), progress=False)
-    mb = run_render(k3_cfg(shard_max_rows=2), RunDir.at(tmp_path / "b"), progress=False)
+    ma = run_render(k3_cfg(**size), RunDir.at(tmp_path / "a"), progress=False)
+    mb = run_render(k3_cfg(**size), RunDir.at(tmp_path / "b"), progress=False)
     assert [e["sha256"] for e in ma["shards"]] == [e["sha256"] for e in mb["shards"]]
+    assert len(ma["shards"]) >= 3 and all(e["tokens"] <= size.get("shard_max_tokens", 10**9) or e["rows"] == 1
+                                          for e in ma["shards"])
     # a re-run with the same input and config does nothing
-    assert run_render(k3_cfg(shard_max_rows=2), RunDir.at(tmp_path / "a"), progress=False)["shards"] == ma["shards"]
+    assert run_render(k3_cfg(**size), RunDir.at(tmp_path / "a"), progress=False)["shards"] == ma["shards"]
     # crash after 5 samples, then resume: same shards as an uninterrupted run
     from regen import render_rows
 
@@ -292,9 +295,12 @@ def test_deterministic_and_resumable(tmp_path, monkeypatch):
     monkeypatch.setattr(render_rows.RowRenderer, "sample", crashing)
     run_c = RunDir.at(tmp_path / "c")
     with pytest.raises(KeyboardInterrupt):
-        run_render(k3_cfg(shard_max_rows=2), run_c, progress=False)
+        run_render(k3_cfg(**size), run_c, progress=False)
     partial = run_c.manifest(run_c.shards)
-    assert partial["status"] == "running" and not partial["complete"] and len(partial["shards"]) == 2
+    assert partial["status"] == "running" and not partial["complete"] and len(partial["shards"]) >= 1
+    cursor = partial["cursor"]
+    consumed = (len(rows[0::2]) if cursor["file"] == 1 else 0) + cursor["row"]
+    assert consumed == partial["num_rows"] <= 5
     resumed = {"n": 0}
 
     def counting(self, row):
@@ -302,8 +308,8 @@ def test_deterministic_and_resumable(tmp_path, monkeypatch):
         return real(self, row)
 
     monkeypatch.setattr(render_rows.RowRenderer, "sample", counting)
-    mc = run_render(k3_cfg(shard_max_rows=2), run_c, progress=False)
-    assert resumed["n"] == len(rows) - 4  # the 4 samples in the 2 listed shards are not rendered again
+    mc = run_render(k3_cfg(**size), run_c, progress=False)
+    assert resumed["n"] == len(rows) - consumed  # rows in listed shards are not rendered again
     assert [e["sha256"] for e in mc["shards"]] == [e["sha256"] for e in ma["shards"]]
     assert mc["counts"]["rendered"] == ma["counts"]["rendered"] and mc["complete"]
 
