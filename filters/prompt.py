@@ -41,7 +41,10 @@ class EmptyFilter(Filter):
         return cls(cfg.min_prompt_chars)
 
     def score(self, record) -> float:
-        return float(len("".join(message_text(record.messages, roles=("user",)).split())))
+        """Non-space characters of user text, plus 1 per image part (an image prompt is not empty)."""
+        images = sum(1 for m in record.messages if m.get("role") == "user" and isinstance(m.get("content"), list)
+                     for p in m["content"] if p.get("type") == "image_url")
+        return float(len("".join(message_text(record.messages, roles=("user",)).split())) + images)
 
     def keep(self, score: float) -> bool:
         return score >= self.min_chars
