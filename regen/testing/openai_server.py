@@ -73,6 +73,8 @@ class Settings:
     api_key: str | None = None  # when set, require `Authorization: Bearer <api_key>`
     log_bodies: bool = True
     max_log: int = 1_000_000
+    log: bool = True  # False: keep no request log (benchmarks)
+    fixed: bool = False  # every request gets the same pre-encoded answer (benchmarks: the cheapest server)
 
 
 class FakeOpenAI:
@@ -84,6 +86,7 @@ class FakeOpenAI:
         self.log: list[dict] = []
         self.log_file = open(log_file, "a", encoding="utf-8") if log_file else None
         self._cache: dict = {}
+        self._bytes: dict = {}
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=256 * 1024 * 1024)
@@ -190,6 +193,8 @@ class FakeOpenAI:
         except ValueError:
             return web.json_response({"error": {"message": "body is not JSON", "code": "invalid_json"}}, status=400)
         stream = bool(body.get("stream"))
+        if s.fixed and not s.log:
+            return await self._fixed(request, body, stream)
         entry = {"seq": len(self.log), "t": time.time(), "key": request.headers.get("X-Regen-Request-Key"),
                  "body_sha": hashlib.sha256(json.dumps({k: v for k, v in body.items() if k not in ("stream", "stream_options")},
                                                        sort_keys=True).encode()).hexdigest(),
@@ -237,6 +242,24 @@ class FakeOpenAI:
             return await self._stream(request, body, ans, fault, want_ids)
         return await self._whole(request, body, ans, fault, want_ids)
 
+    async def _fixed(self, request, body, stream) -> web.StreamResponse:
+        want_ids = bool(body.get("return_token_ids"))
+        usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        key = (stream, want_ids, usage, body.get("max_tokens"))
+        data = self._bytes.get(key)
+        if data is None:
+            ans = self.answer({"model": "fixed", "messages": [], "max_tokens": body.get("max_tokens")})
+            capture = _Capture()
+            if stream:
+                await self._stream(capture, {**body, "model": "fixed"}, ans, None, want_ids)
+            else:
+                await self._whole(capture, {**body, "model": "fixed"}, ans, None, want_ids)
+            data = self._bytes[key] = capture.data
+        if s := self.settings.delay_s:
+            await asyncio.sleep(s)
+        ctype = "text/event-stream" if stream else "application/json"
+        return web.Response(status=200, body=data, content_type=ctype)
+
     def _usage(self, ans: dict) -> dict:
         n_reason = len(ans["reasoning"])
         return {"prompt_tokens": len(ans["prompt_token_ids"]), "completion_tokens": n_reason + len(ans["content"]),
@@ -259,6 +282,9 @@ class FakeOpenAI:
             obj["prompt_token_ids"] = ans["prompt_token_ids"]
             choice["token_ids"] = ans["token_ids"][: len(ans["reasoning"]) + len(ans["content"])]
         data = _dumps(obj)
+        if isinstance(request, _Capture):
+            request.data = data
+            return request
         if fault == "malformed":
             data = data[: len(data) // 2]
         if fault == "close":
@@ -272,8 +298,11 @@ class FakeOpenAI:
 
     async def _stream(self, request, body, ans, fault, want_ids) -> web.StreamResponse:
         s = self.settings
-        resp = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
+        if isinstance(request, _Capture):
+            resp = request
+        else:
+            resp = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            await resp.prepare(request)
         events = []
         base = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": int(time.time()),
                 "model": body.get("model")}
@@ -319,6 +348,19 @@ class FakeOpenAI:
             await resp.write(b"".join(encoded))
         await resp.write_eof()
         return resp
+
+
+class _Capture:
+    """Collects what a handler writes (to pre-encode the fixed benchmark answer)."""
+
+    def __init__(self):
+        self.data = b""
+
+    async def write(self, data: bytes) -> None:
+        self.data += data
+
+    async def write_eof(self) -> None:
+        pass
 
 
 class ServerThread:
