@@ -282,7 +282,8 @@ def conversation_messages(turns, field: str, role_key: str | None = None, conten
         rk = role_key or ("from" if "from" in t else "role")
         ck = content_key or ("value" if "value" in t else "content")
         if rk not in t:
-            raise RowError(where, f"turn has no {rk!r} (role) field")
+            keys = f"{role_key!r}" if role_key else "'from' or 'role'"
+            raise RowError(where, f"turn has no role field ({keys})")
         raw_role = t[rk]
         role = ROLE_ALIASES.get(raw_role) if isinstance(raw_role, str) else None
         if role is None:
