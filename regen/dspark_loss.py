@@ -86,6 +86,34 @@ def decay_weights(block_size: int, gamma: float = 4.0, device=None):
     return torch.exp(-torch.arange(block_size, device=device, dtype=torch.float32) / gamma)
 
 
+def _slot_terms(draft, h, prev, tgt, last_h):
+    logits = draft.corrected_logits(h, prev)  # [m, V]
+    logp_d = F.log_softmax(logits, dim=-1)
+    ce = -logp_d.gather(-1, tgt[:, None]).squeeze(-1)
+    with torch.no_grad():
+        p_t = torch.softmax(draft.base_logits(last_h), dim=-1)
+    l1 = (logp_d.exp() - p_t).abs().sum(-1)
+    return ce, l1, (logits.argmax(-1) == tgt).float()
+
+
+def vocab_terms(draft, h_MH, prev_M, tgt_M, last_h_MH, *, chunk_slots: int | None = None):
+    """Per-slot CE −log p_d(x*), L1 ‖p_d − p_t‖₁ (not halved) and top-1 hit, each float32[M] (spec §5).
+
+    p_d = softmax(lm_head(h) + W2·W1[prev]); p_t = softmax(lm_head(last_h)) (target's final-normed state).
+    Computed in chunks of slots under activation checkpointing, so peak memory holds one chunk's [m, V]
+    logits (a 262k vocabulary makes [M, V] gigabytes), at the price of one more lm_head pass in backward.
+    """
+    V = draft.config.vocab_size
+    m = chunk_slots or max(1, (1 << 25) // V)
+    if h_MH.shape[0] <= m or not torch.is_grad_enabled():
+        return _slot_terms(draft, h_MH, prev_M, tgt_M, last_h_MH)
+    from torch.utils.checkpoint import checkpoint
+
+    parts = [checkpoint(_slot_terms, draft, h_MH[i:i + m], prev_M[i:i + m], tgt_M[i:i + m], last_h_MH[i:i + m],
+                        use_reentrant=False) for i in range(0, h_MH.shape[0], m)]
+    return tuple(torch.cat(x) for x in zip(*parts))
+
+
 def chain_expectation(values_BNK, eval_BNK, keep_BN) -> float:
     """1 + mean over kept blocks of Σ_k Π_{i≤k} v_i·eval_i (spec §9 `tau_probabilistic` with v = c*)."""
     chain = (values_BNK * eval_BNK).cumprod(-1)
@@ -104,13 +132,14 @@ def _global_denominator(local: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 def dspark_loss(draft, batch: dict, features, anchors=None, keep=None, *, generator=None,
-                weights=LOSS_WEIGHTS):
+                weights=LOSS_WEIGHTS, chunk_slots: int | None = None):
     """The DSpark loss for one micro-batch (spec §5). Returns (loss scalar tensor, metrics dict of floats).
 
     batch: `input_ids` int[B, S], `loss_mask` {0,1}[B, S], optional `attention_mask` [B, S], `position_ids`.
     features: (taps [B, S, T·Ht], last_hidden [B, S, Ht]) from `regen.target.TargetFeatures.features`
       (last_hidden is the target's final-normed state; p_t = softmax(lm_head(last_hidden)), spec §1).
     anchors/keep: from `sample_anchors` (sampled here with `generator` when None).
+    chunk_slots: slots per vocabulary-wide chunk (see `vocab_terms`); None = about 2**25 logits per chunk.
 
     Each term is Σ w·term / Σ_global w · world_size (cancels DDP/FSDP gradient averaging):
     L = 0.1·CE + 0.9·L1 + 1.0·BCE(c, c*), c* = clamp(1 − ½‖p_d − p_t‖₁, 0, 1) detached, p_d the
@@ -134,13 +163,10 @@ def dspark_loss(draft, batch: dict, features, anchors=None, keep=None, *, genera
     sel = w.flatten() > 0  # only supervised slots enter the vocabulary-wide terms
     h_sel = hidden.flatten(0, 2)[sel]
     prev_sel, tgt_sel, w_sel = prev_ids.flatten()[sel], tgt_ids.flatten()[sel], w.flatten()[sel]
-    logits = draft.corrected_logits(h_sel, prev_sel)  # [M, V]
-    logp_d = F.log_softmax(logits, dim=-1)
-    ce = -logp_d.gather(-1, tgt_sel[:, None]).squeeze(-1)
     with torch.no_grad():
         lh = last_hidden.gather(1, pos.flatten(1)[..., None].expand(-1, -1, last_hidden.shape[-1]))
-        p_t = torch.softmax(draft.base_logits(lh.flatten(0, 1)[sel]), dim=-1)
-    l1 = (logp_d.exp() - p_t).abs().sum(-1)
+        lh_sel = lh.flatten(0, 1)[sel]
+    ce, l1, hit = vocab_terms(draft, h_sel, prev_sel, tgt_sel, lh_sel, chunk_slots=chunk_slots)
     c_star = (1.0 - 0.5 * l1.detach()).clamp(0.0, 1.0)
     conf_logit = draft.confidence_logits(h_sel, prev_sel)
     bce = (F.binary_cross_entropy_with_logits(conf_logit, c_star, reduction="none")
@@ -160,7 +186,7 @@ def dspark_loss(draft, batch: dict, features, anchors=None, keep=None, *, genera
         full_cstar = torch.zeros(M, device=w.device)
         full_cstar[sel] = c_star
         match = torch.zeros(M, device=w.device)
-        match[sel] = (logits.argmax(-1) == tgt_sel).float()
+        match[sel] = hit
         n_slots = max(1.0, float(ev.sum()))
         metrics = {
             "loss": float(loss), "ce": float(ce_t) / world, "l1": float(l1_t) / world, "conf": float(conf_t) / world,

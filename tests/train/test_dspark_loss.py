@@ -153,3 +153,21 @@ def test_tiny_draft_learns_a_deterministic_sequence():
     first, last_m = hist[0], hist[-1]
     assert last_m["loss"] < 0.5 * first["loss"]
     assert last_m["tau_teacher_forced"] > first["tau_teacher_forced"] + 0.5
+
+
+def test_chunked_vocabulary_terms_equal_the_unchunked_ones():
+    torch.manual_seed(0)
+    d = DSparkDraft(tiny_cfg(block_size=4))
+    batch, feats = _batch()
+    anchors, keep = torch.tensor([[5, 10], [6, 12]]), torch.ones(2, 2, dtype=torch.bool)
+    grads = []
+    for chunk in (None, 3):
+        d.zero_grad()
+        loss, m = dspark_loss(d, batch, feats, anchors, keep, chunk_slots=chunk)
+        loss.backward()
+        grads.append((loss.detach(), m, {n: p.grad.clone() for n, p in d.named_parameters() if p.grad is not None}))
+    (l0, m0, g0), (l1, m1, g1) = grads
+    torch.testing.assert_close(l0, l1)
+    assert m0["tau_teacher_forced"] == m1["tau_teacher_forced"]
+    for n in g0:
+        torch.testing.assert_close(g0[n], g1[n], msg=n)
