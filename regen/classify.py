@@ -50,6 +50,7 @@ MATH_CUES = re.compile(
     r"probability|equation|integer|sum of|percent|logic|puzzle|deduce|true or false|riddle)\b",
     re.I,
 )
+_MATH = re.compile(r"\$[^$]*\$|\\[A-Za-z]+")
 _identifier = None
 
 
@@ -83,6 +84,7 @@ def identify_language(text: str) -> str:
         if len(s.split()) < 4:
             return "en"
     else:
+        s = _MATH.sub(" ", s)  # LaTeX letters would outnumber the words of a Chinese exam question
         letters = sum(1 for ch in s if ch.isalpha()) or 1
         for pattern, code in SCRIPTS:
             n = len(pattern.findall(s))
