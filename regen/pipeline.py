@@ -88,11 +88,13 @@ def step_train(train: TrainConfig, run: RunDir) -> dict:
 def _timed(record: dict, name: str, log):
     t0 = time.time()
     log(f"== {name}")
+    status = "failed"
     try:
         yield
+        status = "done"
     finally:
-        record[name] = {"started": t0, "wall_s": round(time.time() - t0, 3)}
-        log(f"== {name} done in {record[name]['wall_s']:.1f}s")
+        record[name] = {"started": t0, "wall_s": round(time.time() - t0, 3), "status": status}
+        log(f"== {name} {status} in {record[name]['wall_s']:.1f}s")
 
 
 def run_pipeline(profile: Profile, run: RunDir, *, progress: bool = True, log=print) -> dict:

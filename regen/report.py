@@ -31,7 +31,7 @@ from schemas.io import read_json
 CSS = """body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1100px;color:#222}
 h1{font-size:1.6em}h2{font-size:1.2em;margin-top:2em;border-bottom:1px solid #ddd}
 table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ccc;padding:2px 8px;font-size:.9em;text-align:left}
-.plots{display:flex;flex-wrap:wrap;gap:12px}.plot img{width:520px;height:auto;border:1px solid #eee}
+.plots{display:flex;flex-wrap:wrap;gap:12px}figure.plot{margin:0;width:520px}.plot img{width:520px;height:auto;border:1px solid #eee}
 .missing{color:#999;font-style:italic}code{background:#f4f4f4;padding:1px 3px}"""
 
 SCRIPT = """window.addEventListener('load',function(){var n=0;document.querySelectorAll('img.plot-img').forEach(
@@ -196,7 +196,10 @@ def render_report(run_root: str | Path) -> str:
              f"<style>{CSS}</style><script>{SCRIPT}</script></head><body>",
              f"<h1>regen report: {html.escape(str(root))}</h1>",
              f"<p>generated {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}</p><h2>Stages</h2>"]
-    rows = [(s, ", ".join(f"{k}={v}" for k, v in c.items() if v not in (None, {}, []))) for s, c in counts.items()]
+    def fmt(v):
+        return f"{v:.4g}" if isinstance(v, float) else v
+
+    rows = [(s, ", ".join(f"{k}={fmt(v)}" for k, v in c.items() if v not in (None, {}, []))) for s, c in counts.items()]
     parts.append(_html_table((["stage", "counts"], rows)) if rows else '<p class="missing">no stage has run</p>')
     parts.append('<h2>Plots</h2><div class="plots">')
     for name, (png, caption) in plots.items():

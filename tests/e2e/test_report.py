@@ -1,0 +1,57 @@
+"""`regen report`: every plot from a run with all stages, notes (not errors) for missing stages, and the page
+checked in a real headless Chromium (images decoded, no network)."""
+from __future__ import annotations
+
+import base64
+import re
+
+from regen import cli
+from regen.report import render_report, write_report
+from e2e_helpers import dump_dom, make_synthetic_run, screenshot
+
+PLOTS = ["mix", "languages", "prompt_tokens", "response_tokens", "finish_reasons", "rejects", "throughput", "drift"]
+
+
+def _images(text: str) -> dict[str, bytes]:
+    found = re.findall(r'<figure class="plot" id="plot-([a-z_]+)"><img class="plot-img" alt="[^"]*" '
+                       r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', text)
+    return {name: base64.b64decode(data) for name, data in found}
+
+
+def test_every_plot_from_a_full_run(tmp_path):
+    run = make_synthetic_run(tmp_path / "run")
+    text = render_report(run)
+    images = _images(text)
+    assert sorted(images) == sorted(PLOTS)
+    assert all(png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 2000 for png in images.values())
+    assert "Render drift rate 6.67% of 30 rows checked" in text
+    assert "answer is ru, prompt is en" in text  # reject reasons table
+    assert "http://" not in text.replace("http://www.w3.org", "")  # self-contained
+
+
+def test_missing_stages_give_notes(tmp_path):
+    run = make_synthetic_run(tmp_path / "run", stages=("select",))
+    text = render_report(run)
+    assert sorted(_images(text)) == ["languages", "mix", "prompt_tokens", "rejects"]
+    assert "no generations yet" in text and "render has not run" in text
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert "no stage has run" in render_report(empty)
+
+
+def test_cli_writes_report_html(tmp_path, capsys):
+    run = make_synthetic_run(tmp_path / "run")
+    assert cli.main(["report", "--run", str(run)]) == 0
+    assert (run / "report.html").exists() and "wrote" in capsys.readouterr().out
+    assert cli.main(["report", "--run", str(tmp_path / "nope")]) == 2
+
+
+def test_report_in_headless_chromium(tmp_path, chromium):
+    run = make_synthetic_run(tmp_path / "run")
+    page = write_report(run)
+    dom = dump_dom(chromium, page, tmp_path)
+    assert f'data-images-ok="{len(PLOTS)}"' in dom, dom[:500]
+    for name in PLOTS:
+        assert f'id="plot-{name}"' in dom
+    png = screenshot(chromium, page, tmp_path)
+    assert png.read_bytes().startswith(b"\x89PNG") and png.stat().st_size > 20_000
