@@ -1,8 +1,10 @@
 """Kimi-K3 "XTML" conversation format as labelled segments (`shared/docs/kimi-k3-format.md` §1-§3).
 
-`build_segments(messages, tools, ...)` -> list[Segment]. Each Segment is tokenized on its own (§3): `special`
-segments with `allowed_special="all"`, all others with `disallowed_special=()`. Labels (`kind`, `message`) let the
-renderer compute per-assistant-message supervised spans (§6) without re-encoding text.
+`build_segments(messages, tools, ...)` -> list[Segment]. Every ENC segment (`Segment.units()`) is tokenized on its
+own (§3): control tokens and the image placeholder with `allowed_special="all"`, all text (tag names, attributes,
+bodies, content) with `disallowed_special=()`. Consecutive structural units of one label are grouped into one
+Segment so their ids can be cached. Labels (`kind`, `message`) let the renderer compute per-assistant-message
+supervised spans (§6) without re-encoding text.
 
 Decisions where the spec leaves a choice (§2, §8):
 - `thinking_effort="medium"` raises RenderError, as ENC (the checkpoint's `encoding_k3.py`) does; pass

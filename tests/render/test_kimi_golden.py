@@ -233,3 +233,9 @@ def test_enc_segments_of_a_user_message(kimi):
     assert [u for s in segs for u in s.units()] == [
         ("<|open|>", True), ("message", False), (' role="user"', False), (' name="n"', False), ("<|sep|>", True),
         ("<|close|>", True), ("message", False), ("<|sep|>", True), ("<|end_of_msg|>", True)]
+
+
+def test_describe_states_the_training_contract(kimi):
+    d = kimi.describe()
+    assert d["renderer"] == "kimi-k3" and d["mask_policy"] == "spec" and d["test_vocabulary"] is True
+    assert d["tokenizer_name"] == "regen/kimi-k3-test" and len(d["tokenizer_hash"]) == 64
