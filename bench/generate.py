@@ -114,7 +114,7 @@ def client_main(args) -> None:
 
         async def go():
             nonlocal tokens
-            client = AsyncOpenAI(base_url=url, api_key="unused", max_retries=0)
+            client = AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=3600.0)
             sem = asyncio.Semaphore(c)
 
             async def one(i):

@@ -66,11 +66,23 @@ def parse_retry_after(value: str | None) -> float | None:
         return None
 
 
+def redact_url(url: str) -> str:
+    """A URL without credentials (`user:password@` and the query string dropped), fit for rows and logs."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    if parts.port:
+        host = f"{host}:{parts.port}"
+    return urlunsplit((parts.scheme, host, parts.path, "", ""))
+
+
 class Endpoint:
-    """One base URL (`http://host:port/v1`) with its routing state."""
+    """One base URL (`http://host:port/v1`) with its routing state; `name` is the URL without credentials."""
 
     def __init__(self, base_url: str):
         self.base_url = base_url.rstrip("/")
+        self.name = redact_url(self.base_url)
         self.url = self.base_url + "/chat/completions"
         self.outstanding = 0
         self.healthy = True
@@ -85,7 +97,7 @@ class Endpoint:
         return self.healthy and now >= self.cooldown_until and (self.limit is None or self.outstanding < self.limit)
 
     def summary(self) -> dict:
-        return {"endpoint": self.base_url, "healthy": self.healthy, "requests": self.num_requests,
+        return {"endpoint": self.name, "healthy": self.healthy, "requests": self.num_requests,
                 "failures": self.num_failures, "rate_limited": self.num_429}
 
 
@@ -266,13 +278,13 @@ class ChatClient:
             raise
         except TimeoutError as exc:
             which = "total" if total_cm.expired() else phase
-            raise RequestFailure("timeout", f"{which} timeout at {ep.base_url}") from exc
+            raise RequestFailure("timeout", f"{which} timeout at {ep.name}") from exc
         except aiohttp.ClientResponseError as exc:
-            raise RequestFailure(classify_status(exc.status), f"HTTP {exc.status} at {ep.base_url}", exc.status) from exc
+            raise RequestFailure(classify_status(exc.status), f"HTTP {exc.status} at {ep.name}", exc.status) from exc
         except (aiohttp.ClientError, OSError) as exc:
-            raise RequestFailure("connection", f"{type(exc).__name__} at {ep.base_url}") from exc
+            raise RequestFailure("connection", f"{type(exc).__name__} at {ep.name}") from exc
         c.latency_s = loop.time() - t0
-        c.endpoint = ep.base_url
+        c.endpoint = ep.name
         return c
 
 

@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 
 from regen import ledger as ledger_mod
 from regen.checks import QUALITY_KIND, Completion, RequestFailure, check_completion
-from regen.client import ChatClient, backoff_delay
+from regen.client import ChatClient, backoff_delay, redact_url
 from regen.config.generate import GenerateConfig
 from regen.conversation import (fill_missing_call_ids, history_message, next_segment, request_body,
                                 request_config, request_key, skipped_key, tools_from_json, turn_positions)
@@ -409,7 +409,7 @@ def run_generate(cfg: GenerateConfig, run: RunDir, *, endpoints: list[str] | Non
     acc = accounting(gen_dir, files)
     manifest = {
         "stage": "generate", "schema_version": SCHEMA_VERSION, "config_hash": chash,
-        "request_config": request_config(cfg), "endpoints": urls, "ray": bool(ray_address),
+        "request_config": request_config(cfg), "endpoints": [redact_url(u) for u in urls], "ray": bool(ray_address),
         "parts": sorted(ledger_mod.listed_parts(gen_dir).values(), key=lambda e: e["path"]),
         "accounting": acc, "complete": acc["balanced"], "recovered": repaired,
         "metrics": merge_summaries(summaries), "throughput_table": "throughput.parquet",

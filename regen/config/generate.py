@@ -78,7 +78,7 @@ class GenerateConfig(BaseModel):
     timeouts: TimeoutConfig = Field(default_factory=TimeoutConfig)
     retry: RetryConfig = Field(default_factory=RetryConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
-    part_rows: int = 2000  # rows per Parquet part (the journal makes every row durable before that)
+    part_rows: int = 1000  # rows per Parquet part (bounds memory; the journal makes every row durable before that)
     part_interval_s: float = 300.0  # ... or a part at least this often
     queue_size: int = 0  # conversations queued ahead of the workers; 0 = 2 * max_in_flight
     ray_actors: int = 0  # with --ray: number of actors; 0 = one per alive node
