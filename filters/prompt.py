@@ -273,9 +273,10 @@ def dedup_key(record) -> int:
     for m in record.messages:
         c = m.get("content")
         images = [p.get("image_url", {}).get("url", "") for p in c if p.get("type") == "image_url"] if isinstance(c, list) else []
-        parts.append(f"{m.get('role')}:{message_text([m], roles=(m.get('role'),))}{' '.join(images)}")
+        text = normalize_text(message_text([m], roles=(m.get("role"),)) + " " + " ".join(images))
+        parts.append(f"{m.get('role')}:{text}")
     names = sorted(t["function"].get("name") or "" for t in record.tools or [] if isinstance(t.get("function"), dict))
-    return text_hash(normalize_text("\n".join(parts)) + "\x00" + ",".join(names))
+    return text_hash("\n".join(parts) + "\x00" + ",".join(names))
 
 
 class ExactDedupFilter(Filter):
