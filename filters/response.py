@@ -131,19 +131,24 @@ class ToolArgs(Filter):
         return "; ".join(self.problems(record))
 
 
-def dup_ngram_fraction(text: str, n: int) -> float:
-    """Fraction of word n-grams of `text` that repeat an earlier n-gram (0 = none, -> 1 for a loop)."""
-    words = WORD.findall(text)
+def dup_ngram_fraction(text: str, n: int, words: list[str] | None = None) -> float:
+    """Fraction of word n-grams of `text` that repeat an earlier n-gram (0 = none, -> 1 for a loop).
+
+    N-grams are compared by a 64-bit polynomial hash of the words' Python hashes (numpy, wrapping uint64
+    arithmetic); a collision can only make the fraction higher, with probability ~ count^2 / 2^64."""
+    import numpy as np
+
+    words = WORD.findall(text) if words is None else words
     if len(words) < n + 1:
         return 0.0
-    seen, dup = set(), 0
-    for i in range(len(words) - n + 1):
-        g = tuple(words[i:i + n])
-        if g in seen:
-            dup += 1
-        else:
-            seen.add(g)
-    return dup / (len(words) - n + 1)
+    ids = np.fromiter(map(hash, words), dtype=np.int64, count=len(words)).view(np.uint64)
+    count = len(words) - n + 1
+    h = np.zeros(count, dtype=np.uint64)
+    base = np.uint64(1_000_003)
+    with np.errstate(over="ignore"):
+        for k in range(n):
+            h = h * base + ids[k:k + count]
+    return 1.0 - len(np.unique(h)) / count
 
 
 class Repetition(Filter):
@@ -160,8 +165,9 @@ class Repetition(Filter):
         out = {}
         for field in ("reasoning_content", "content"):
             text = record.get(field) or ""
-            if len(WORD.findall(text)) >= self.min_tokens:
-                out[field] = dup_ngram_fraction(text, self.n)
+            words = WORD.findall(text) if len(text) >= self.min_tokens else []
+            if len(words) >= self.min_tokens:
+                out[field] = dup_ngram_fraction(text, self.n, words)
         return out
 
     def score(self, record) -> float:
@@ -224,13 +230,14 @@ class Language(Filter):
     """An answer confidently in another language than the prompt's `language` (score = that probability).
 
     The expected language is the record's `language` or else the detected language of the last user message.
-    Code is stripped first; prompts that ask for a translation and skipped categories are not scored; texts
+    Code is stripped first and at most `language_max_chars` characters are classified; prompts that ask for a translation and skipped categories are not scored; texts
     shorter than `language_min_chars` after stripping are not scored."""
 
     name = "language"
 
-    def __init__(self, language_min_chars=80, language_min_prob=0.95, language_skip_categories=("code", "translation")):
-        self.min_chars, self.min_prob = language_min_chars, language_min_prob
+    def __init__(self, language_min_chars=80, language_min_prob=0.95, language_skip_categories=("code", "translation"),
+                 language_max_chars=600):
+        self.min_chars, self.min_prob, self.max_chars = language_min_chars, language_min_prob, language_max_chars
         self.skip = set(language_skip_categories)
 
     def detect(self, record) -> tuple[str | None, str | None, float]:
@@ -240,12 +247,12 @@ class Language(Filter):
         prompt = _last_user_text(record)
         if TRANSLATE.search(prompt):
             return None, None, 0.0
-        answer = _prose(record.get("content") or "").strip()
+        answer = _prose(record.get("content") or "").strip()[: self.max_chars]
         if len(answer) < self.min_chars:
             return None, None, 0.0
         expected = _lang_code(record.get("language"))
         if expected is None:
-            text = _prose(prompt).strip()
+            text = _prose(prompt).strip()[: self.max_chars]
             if len(text) < self.min_chars:
                 return None, None, 0.0
             lang, prob = _identifier().classify(text)
@@ -279,7 +286,7 @@ class OverLong(Filter):
 
     def score(self, record) -> float:
         p = record.get("prompt_token_ids")
-        c = record.get("completion_token_ids")
+        c = record.get("completion_token_ids")  # the render stage passes their lengths as num_*_tokens instead
         num_prompt = len(p) if p is not None else record.get("num_prompt_tokens")
         num_completion = len(c) if c is not None else record.get("num_completion_tokens")
         if num_prompt is None or num_completion is None:

@@ -104,9 +104,34 @@ def _reject_row(row: dict, file: Path, index: int, filter: str, reason: str, sco
                           payload=_payload(row)).to_arrow_row()
 
 
-def _sorted_rows(path: Path, columns: list[str] | None = None) -> list[tuple[int, dict]]:
+# Columns the filters read (token id lists are replaced by their lengths) and the columns rendering reads.
+FILTER_COLUMNS = ("request_key", "prompt_id", "turn", "status", "category", "language", "messages", "content",
+                  "reasoning_content", "tool_calls", "finish_reason", "num_prompt_tokens", "num_completion_tokens")
+RENDER_COLUMNS = FILTER_COLUMNS + ("tools", "request_params", "prompt_token_ids", "completion_token_ids")
+
+
+def _read(path: Path, columns: tuple[str, ...]) -> pa.Table:
+    names = set(pq.read_schema(path).names)
+    return pq.read_table(path, columns=[c for c in columns if c in names])
+
+
+def _filter_table(path: Path) -> pa.Table:
+    """The filter columns; where the server returned ids, their lengths replace the usage token counts."""
+    import pyarrow.compute as pc
+
+    table = _read(path, FILTER_COLUMNS)
+    ids = _read(path, ("prompt_token_ids", "completion_token_ids"))
+    for ids_name, count_name in (("prompt_token_ids", "num_prompt_tokens"), ("completion_token_ids", "num_completion_tokens")):
+        if ids_name in ids.column_names and count_name in table.column_names:
+            lengths = pc.list_value_length(ids.column(ids_name)).cast(pa.int32())
+            merged = pc.if_else(pc.is_null(lengths), table.column(count_name), lengths)
+            table = table.set_column(table.column_names.index(count_name), count_name, merged)
+    return table
+
+
+def _sorted_rows(path: Path, table: pa.Table | None = None) -> list[tuple[int, dict]]:
     """(row index in file, row) of one generations file, sorted by (prompt_id, turn, request_key)."""
-    rows = pq.read_table(path, columns=columns).to_pylist()
+    rows = (table if table is not None else _read(path, RENDER_COLUMNS)).to_pylist()
     order = sorted(range(len(rows)), key=lambda i: (rows[i].get("prompt_id") or "", rows[i].get("turn") or 0,
                                                     rows[i].get("request_key") or ""))
     return [(i, rows[i]) for i in order]
@@ -146,7 +171,7 @@ def filter_responses(cfg: RenderConfig, run: RunDir, *, progress: bool = True) -
     bar, task = _progress(progress, "filter responses", total)
     with bar:
         for f in files:
-            for index, row in _sorted_rows(f):
+            for index, row in _sorted_rows(f, _filter_table(f)):
                 counts["rows"] += 1
                 counts[row.get("status") or "unknown"] += 1
                 bar.advance(task)

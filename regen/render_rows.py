@@ -27,6 +27,7 @@ from collections import Counter
 
 from schemas.messages import ROLES, message_from_arrow
 
+assert array("i").itemsize == 4, "array('i') must be int32 for shard ids"
 KIMI_TEMPLATE_KWARGS = ("thinking", "thinking_effort", "tool_choice", "response_format")
 
 
@@ -228,7 +229,7 @@ class RowRenderer:
         return closing, enders - set(closing)
 
     def sample(self, row: dict) -> dict:
-        """One shard row (SHARD_SCHEMA dict) for a generation row. Raises Reject."""
+        """One shard row (SHARD_SCHEMA dict; input_ids as array("i"), int32) for a generation row. Raises Reject."""
         cfg = self.cfg
         messages, tools = conversation_of(row)
         check_messages(messages, part_types=cfg.content_part_types, require_reasoning=cfg.require_reasoning)
@@ -254,9 +255,10 @@ class RowRenderer:
             raise Reject("min_loss_tokens", f"{num_loss} supervised tokens (min {cfg.min_loss_tokens})", num_loss)
         spans = [{"start": s, "end": e}]
         h = hashlib.sha256(f"{self.contract_hash}|{row.get('prompt_id')}|{s}|{e}|".encode())
-        h.update(array("i", ids).tobytes())
+        buf = array("i", ids)  # int32 (checked at import): hashed, then handed to the shard writer as is
+        h.update(buf)
         return {"sample_id": h.hexdigest(), "prompt_id": row.get("prompt_id"), "turn": turn,
-                "category": row.get("category"), "language": row.get("language"), "input_ids": ids,
+                "category": row.get("category"), "language": row.get("language"), "input_ids": buf,
                 "loss_spans": spans, "num_tokens": len(ids), "num_loss_tokens": num_loss}
 
     def _render(self, messages, tools, kwargs):

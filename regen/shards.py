@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from array import array
 from pathlib import Path
 
 import numpy as np
@@ -59,15 +60,20 @@ def training_contract(renderer, *, max_tokens: int, turn_mode: str, min_loss_tok
     }
 
 
-def rows_to_table(rows: list[dict]) -> pa.Table:
-    """Shard rows (dicts with `input_ids: list[int]` and `loss_spans: list[{start, end}]`) -> SHARD_SCHEMA table.
+def _ids_array(ids) -> np.ndarray:
+    if isinstance(ids, array):
+        return np.frombuffer(ids, dtype=np.int32) if ids.itemsize == 4 else np.asarray(ids, dtype=np.int32)
+    return np.asarray(ids, dtype=np.int32)
 
-    input_ids go through one numpy int32 concatenation (not per-element Python conversion)."""
-    lengths = np.fromiter((len(r["input_ids"]) for r in rows), dtype=np.int64, count=len(rows))
+
+def rows_to_table(rows: list[dict]) -> pa.Table:
+    """Shard rows (dicts with `input_ids`: list[int] or array("i"), `loss_spans`: list[{start, end}]) ->
+    SHARD_SCHEMA table. input_ids become one int32 buffer + offsets (no per-element Python conversion for arrays)."""
+    parts = [_ids_array(r["input_ids"]) for r in rows]
+    lengths = np.fromiter((len(p) for p in parts), dtype=np.int64, count=len(parts))
     offsets = np.zeros(len(rows) + 1, dtype=np.int32)
     np.cumsum(lengths, out=offsets[1:])
-    flat = np.fromiter((t for r in rows for t in r["input_ids"]), dtype=np.int32, count=int(offsets[-1])) \
-        if rows else np.zeros(0, dtype=np.int32)
+    flat = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
     ids = pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat, type=pa.int32()))
     columns = {
         "sample_id": pa.array([r["sample_id"] for r in rows], pa.string()),

@@ -30,6 +30,7 @@ class ResponseFilterParams(BaseModel):
     language_min_chars: int = 80
     language_min_prob: float = 0.95
     language_skip_categories: list[str] = Field(default_factory=lambda: ["code", "translation"])
+    language_max_chars: int = 600  # the first N characters of prose are classified
     # over_long: server token counts above this drop the row early (only under `overlong: drop`); null = max_tokens.
     max_tokens: int | None = None
 

@@ -330,3 +330,15 @@ def test_make_renderer_errors_name_the_fix():
         make_renderer(RenderConfig(renderer="hf"))
     with pytest.raises(InputError, match="environment variable"):
         make_renderer(RenderConfig(renderer="kimi-k3", tokenizer="${REGEN_SURELY_UNSET_VAR}"))
+
+
+def test_over_long_filter_uses_the_server_ids_lengths(tmp_path):
+    row = generation_row("long", 0, [U1], content="A long answer that the server counted.", reasoning_content="r",
+                         prompt_token_ids=[5] * 30, completion_token_ids=[6] * 40, num_prompt_tokens=1,
+                         num_completion_tokens=1)
+    write_generations(tmp_path, [row] + good_rows()[:1])
+    run = RunDir.at(tmp_path)
+    m = run_render(k3_cfg(max_tokens=64), run, progress=False)
+    (rej,) = [r for r in read_rejects(run) if r["prompt_id"] == "long"]
+    assert rej["filter"] == "over_long" and rej["reason"] == "prompt + completion is 70 tokens by the server's count (max 64)"
+    assert m["filters"]["dropped"] == {"over_long": 1}
