@@ -19,14 +19,19 @@ Ratio = render tokens/s / baseline tokens/s (goal >= 0.7, issue #4).
 """
 from __future__ import annotations
 
-import argparse
-import json
-import random
-import shutil
 import sys
-import tempfile
-import time
-from pathlib import Path
+
+# bench/ holds scripts named like stdlib modules (select.py): keep it off the import path.
+_HERE = __import__("os").path.dirname(__import__("os").path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if p and __import__("os").path.abspath(p) != _HERE]
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import random  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
