@@ -43,5 +43,5 @@ def estimate_tokens(text: str) -> int:
     n = len(text)
     if text.isascii():
         return (n + 3) // 4
-    non_ascii = sum(1 for ch in text if ord(ch) > 127)
+    non_ascii = n - len(text.encode("ascii", "ignore"))
     return (n - non_ascii + 3) // 4 + non_ascii

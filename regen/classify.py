@@ -51,6 +51,12 @@ MATH_CUES = re.compile(
     re.I,
 )
 _MATH = re.compile(r"\$[^$]*\$|\\[A-Za-z]+")
+_LETTER = re.compile(r"[^\W\d_]")
+EN_WORDS = frozenset(
+    "the a an and or of to in on at for with is are was were be been it this that these those what which who how "
+    "why when where can could would should will do does did you your i we they he she his her their my me not no "
+    "if then than from by as about into please write give find".split()
+)
 _identifier = None
 
 
@@ -76,21 +82,28 @@ def _langid(text: str) -> str:
 
 
 def identify_language(text: str) -> str:
-    """ISO 639-1 code of `text` (the first 600 characters are used). Empty text -> "en"."""
+    """ISO 639-1 code of `text` (the first 600 characters are used). Empty text -> "en".
+
+    Fast paths before `py3langid` (which costs ~0.1-1 ms per text): ASCII text with under 4 words, or with at
+    least 20% English function words, is "en"; scripts decide CJK and Indic text (see module docstring).
+    """
     s = text[:600]
     if not s.strip():
         return "en"
     if s.isascii():
-        if len(s.split()) < 4:
+        words = s.lower().split()
+        if len(words) < 4:
+            return "en"
+        if sum(1 for w in words if w in EN_WORDS) >= 0.2 * len(words):
             return "en"
     else:
         s = _MATH.sub(" ", s)  # LaTeX letters would outnumber the words of a Chinese exam question
-        letters = sum(1 for ch in s if ch.isalpha()) or 1
+        letters = len(_LETTER.findall(s)) or 1
         for pattern, code in SCRIPTS:
             n = len(pattern.findall(s))
             if n and n / letters >= (0.05 if code in ("ja", "ko") else 0.2):
                 return code
-    code = _langid(s)
+    code = _langid(s[:300])
     return normalize_language(code) or "en"
 
 
