@@ -20,16 +20,22 @@ at 4,096 in flight.
 """
 from __future__ import annotations
 
-import argparse
-import asyncio
-import json
 import os
-import resource
-import subprocess
 import sys
-import tempfile
-import time
-from pathlib import Path
+
+# `python bench/x.py` puts bench/ first on sys.path, where a sibling module (bench/select.py) would shadow the
+# standard library's `select`: drop that entry before importing anything else.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import json  # noqa: E402
+import resource  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -177,7 +183,7 @@ def main() -> int:
     if args.client:
         client_main(args)
         return 0
-    n = args.requests or (300 if args.quick else 3000)
+    n = args.requests or (300 if args.quick else 2000)
     c = args.concurrency or (64 if args.quick else 256)
     tokens = args.tokens or (64 if args.quick else 256)
     rss_n = args.rss_in_flight or (256 if args.quick else 4096)

@@ -9,8 +9,10 @@ HTTP status. Retrying is the caller's job (`regen.generate`), with `backoff_dela
 * Health: `fail_threshold` consecutive transport failures take an endpoint out; a probe of
   `GET {base}/models` every `interval_s` puts it back when it answers below 500.
 * 429: the endpoint cools down for Retry-After (or the backoff base) and its concurrency limit halves
-  (AIMD: +1 per `limit` successes, removed once it passes `max_in_flight`), so a storm of 429s drains
-  instead of being hammered.
+  (once per cooldown window); each success raises the limit by one (it doubles per round trip, as TCP slow
+  start) until it passes `max_in_flight` and is removed. A storm of 429s drains instead of being hammered.
+* No endpoint available: an attempt waits while some endpoint is healthy (cooling down or at its limit);
+  when none is healthy for `max_wait_s`, it fails as `connection` (and is retried by the caller).
 * Timeouts (seconds): connect; first byte (sending -> first body chunk); between stream chunks (the
   first-byte deadline is moved forward at most once a second, so the cost per chunk stays flat); total.
 
@@ -20,6 +22,7 @@ plus our own line splitter and orjson cost a fraction of the CPU per streamed to
 from __future__ import annotations
 
 import asyncio
+import collections
 import random
 import time
 from email.utils import parsedate_to_datetime
@@ -45,10 +48,10 @@ except ImportError:  # pragma: no cover - orjson ships with prefect
 def backoff_delay(attempt: int, cfg: RetryConfig, retry_after_s: float | None = None) -> float:
     """Seconds to wait before attempt `attempt + 1` (attempt >= 1): min(max_s, base_s * 2**(attempt-1))
     times U(0.5, 1) ("equal jitter", AWS architecture blog, 2015), and never less than the server's
-    Retry-After (capped at max_retry_after_s)."""
+    Retry-After (capped at max_retry_after_s; times U(1, 1.5) so retries spread out)."""
     delay = min(cfg.max_s, cfg.base_s * 2 ** max(0, attempt - 1)) * random.uniform(0.5, 1.0)
-    if retry_after_s is not None:
-        delay = max(delay, min(retry_after_s, cfg.max_retry_after_s))
+    if retry_after_s is not None:  # spread over [1, 1.5] x Retry-After, so retries do not arrive in lockstep
+        delay = max(delay, min(retry_after_s, cfg.max_retry_after_s) * random.uniform(1.0, 1.5))
     return delay
 
 
@@ -111,7 +114,7 @@ class EndpointPool:
         self.health = health
         self.max_in_flight = max_in_flight
         self.base_cooldown_s = base_cooldown_s
-        self._waiters: list[asyncio.Future] = []
+        self._waiters: collections.deque[asyncio.Future] = collections.deque()  # FIFO: fair
 
     def _pick(self, now: float) -> Endpoint | None:
         best = None
@@ -122,7 +125,7 @@ class EndpointPool:
 
     def _wake(self, n: int = 1) -> None:
         while n > 0 and self._waiters:
-            fut = self._waiters.pop()
+            fut = self._waiters.popleft()
             if not fut.done():
                 fut.set_result(None)
                 n -= 1
@@ -139,7 +142,9 @@ class EndpointPool:
                 ep.outstanding += 1
                 ep.num_requests += 1
                 return ep
-            if now >= deadline:
+            if any(e.healthy for e in self.endpoints):
+                deadline = now + max_wait_s  # cooling down or at its limit: wait, the endpoint is alive
+            elif now >= deadline:
                 raise RequestFailure("connection", "no healthy endpoint available")
             cooling = [e.cooldown_until for e in self.endpoints if e.healthy and e.cooldown_until > now]
             wait = min(cooling) - now + random.uniform(0, 0.5) if cooling else self.health.interval_s
@@ -157,7 +162,7 @@ class EndpointPool:
         if error_class is None or error_class in ("bad_request", "context_overflow", "malformed"):
             ep.fails = 0  # the server answered
             if ep.limit is not None and error_class is None:
-                ep.limit += 1.0 / max(ep.limit, 1.0)
+                ep.limit += 1.0  # +1 per success: the limit doubles per round trip (TCP slow start)
                 if ep.limit >= self.max_in_flight:
                     ep.limit = None
         elif error_class == "rate_limited":

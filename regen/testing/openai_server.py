@@ -63,6 +63,7 @@ class Settings:
     reasoning_field: str | None = "reasoning_content"  # or "reasoning", or None
     tool_calls: bool = True  # with tools and a final user message, call the first tool
     faults: dict = field(default_factory=dict)
+    fault_budget: int | None = None  # random faults left to inject (None: no limit)
     seed: int = 0
     retry_after: str = "1"
     stall_s: float = 3600.0
@@ -138,10 +139,12 @@ class FakeOpenAI:
                     return found.group(1)
                 break
         faults = self.settings.faults
-        if faults:
+        if faults and self.settings.fault_budget != 0:
             x = self.rng.random()
             for kind, prob in faults.items():
                 if x < prob:
+                    if self.settings.fault_budget is not None:
+                        self.settings.fault_budget -= 1
                     return kind
                 x -= prob
         return None

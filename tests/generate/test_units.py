@@ -99,7 +99,7 @@ def test_backoff_is_jittered_exponential_and_honours_retry_after():
         d = [backoff_delay(attempt, cfg) for _ in range(50)]
         assert all(hi / 2 <= x <= hi for x in d) and len(set(d)) > 1
     assert backoff_delay(1, cfg, retry_after_s=12) >= 12
-    assert backoff_delay(1, cfg, retry_after_s=1000) <= 30
+    assert backoff_delay(1, cfg, retry_after_s=1000) <= 45
     assert parse_retry_after("2") == 2 and parse_retry_after("0.5") == 0.5 and parse_retry_after("junk") is None
     assert parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT") == 0.0
 
