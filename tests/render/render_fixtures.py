@@ -87,3 +87,21 @@ def write_generations(run_root: Path, rows: list[dict], parts: int = 1) -> list[
         write_parquet_atomic(pa.Table.from_pylist(chunk, schema=GENERATION_SCHEMA), path, GENERATION_SCHEMA)
         out.append(path)
     return out
+
+
+def k3_generated_text(row: dict) -> str:
+    """What the target generated for a row, written from the spec (§2, §6) independently of the renderer."""
+    reasoning = row["reasoning_content"] or ""
+    text = (reasoning if reasoning.strip() else "") + "<|close|>think<|sep|><|open|>response<|sep|>"
+    text += (row["content"] or "") + "<|close|>response<|sep|>"
+    if row["tool_calls"]:
+        text += "<|open|>tools<|sep|>"
+        for i, call in enumerate(row["tool_calls"], 1):
+            text += f'<|open|>call tool="{call["function"]["name"]}" index="{i}"<|sep|>'
+            for k, v in json.loads(call["function"]["arguments"]).items():
+                kind = {str: "string", int: "number", float: "number", bool: "boolean"}[type(v)]
+                text += f'<|open|>argument key="{k}" type="{kind}"<|sep|>{v if kind == "string" else json.dumps(v)}'
+                text += "<|close|>argument<|sep|>"
+            text += "<|close|>call<|sep|>"
+        text += "<|close|>tools<|sep|>"
+    return text + "<|close|>message<|sep|>"

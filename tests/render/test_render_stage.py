@@ -11,7 +11,7 @@ from regen.config.render import RenderConfig
 from regen.kimi_k3 import KimiK3Renderer
 from regen.render import filter_responses, make_renderer, run_render
 from regen.rundir import RunDir
-from render_fixtures import generation_row, write_generations
+from render_fixtures import generation_row, k3_generated_text, write_generations
 
 K3 = {"thinking": True, "thinking_effort": "max"}
 PARAMS = json.dumps({"temperature": 1.0, "thinking": True, "thinking_effort": "max"})
@@ -77,24 +77,6 @@ def bad_rows() -> list[dict]:
                         tool_calls=[{"id": "c2", "type": "function", "function": {"name": "add", "arguments": "[2]"}}]),
          "tool_args", "arguments are JSON list, not an object"),
     ]
-
-
-def k3_generated_text(row: dict) -> str:
-    """What the target generated for a row, written from the spec (§2, §6) independently of the renderer."""
-    reasoning = row["reasoning_content"] or ""
-    text = (reasoning if reasoning.strip() else "") + "<|close|>think<|sep|><|open|>response<|sep|>"
-    text += (row["content"] or "") + "<|close|>response<|sep|>"
-    if row["tool_calls"]:
-        text += "<|open|>tools<|sep|>"
-        for i, call in enumerate(row["tool_calls"], 1):
-            text += f'<|open|>call tool="{call["function"]["name"]}" index="{i}"<|sep|>'
-            for k, v in json.loads(call["function"]["arguments"]).items():
-                kind = {str: "string", int: "number", float: "number", bool: "boolean"}[type(v)]
-                text += f'<|open|>argument key="{k}" type="{kind}"<|sep|>{v if kind == "string" else json.dumps(v)}'
-                text += "<|close|>argument<|sep|>"
-            text += "<|close|>call<|sep|>"
-        text += "<|close|>tools<|sep|>"
-    return text + "<|close|>message<|sep|>"
 
 
 def read_samples(run: RunDir) -> list[dict]:
