@@ -51,6 +51,7 @@ MATH_CUES = re.compile(
     re.I,
 )
 _MATH = re.compile(r"\$[^$]*\$|\\[A-Za-z]+")
+_NON_LATIN = re.compile(r"[\u0900-\u0e7f\u1100-\u11ff\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af]")
 _LETTER = re.compile(r"[^\W\d_]")
 EN_WORDS = frozenset(
     "the a an and or of to in on at for with is are was were be been it this that these those what which who how "
@@ -90,19 +91,18 @@ def identify_language(text: str) -> str:
     s = text[:600]
     if not s.strip():
         return "en"
-    if s.isascii():
-        words = s.lower().split()
-        if len(words) < 4:
-            return "en"
-        if sum(1 for w in words if w in EN_WORDS) >= 0.2 * len(words):
-            return "en"
-    else:
+    if not s.isascii() and _NON_LATIN.search(s):
         s = _MATH.sub(" ", s)  # LaTeX letters would outnumber the words of a Chinese exam question
         letters = len(_LETTER.findall(s)) or 1
         for pattern, code in SCRIPTS:
             n = len(pattern.findall(s))
             if n and n / letters >= (0.05 if code in ("ja", "ko") else 0.2):
                 return code
+    words = s.lower().split()
+    if len(words) < 4 and s.isascii():
+        return "en"
+    if sum(1 for w in words if w in EN_WORDS) >= 0.2 * len(words):
+        return "en"
     code = _langid(s[:300])
     return normalize_language(code) or "en"
 
