@@ -98,3 +98,26 @@ def test_kept_truncated_rows_do_not_supervise_closing_markers(tmp_path, make_hf_
     assert r.decode(s["input_ids"][span["start"]:span["end"]]) == row["content"]
     assert r.decode(s["input_ids"][span["end"]:]) == "<end_of_turn>\n"
     assert m["row_counts"]["truncated_closing_unsupervised"] == 1
+
+
+@pytest.mark.slow
+def test_local_profile_renders_with_the_embedded_tokenizer(tmp_path, repo_root):
+    """The local profile's render section on the embedded target's real tokenizer (after scripts/setup.sh)."""
+    from regen.config import load_profile
+
+    cfg = load_profile("local").render.model_copy(update={"min_loss_tokens": 1})  # short literal answers
+    model_dir = repo_root / cfg.tokenizer
+    if not (model_dir / "tokenizer.json").is_file():
+        pytest.skip(f"{model_dir} not prepared: run `bash scripts/setup.sh`")
+    write_generations(tmp_path, rows())
+    run = RunDir.at(tmp_path)
+    m = run_render(cfg, run, progress=False)
+    r = HFTemplateRenderer(model_dir)
+    assert r.mask == "markers" and m["contract"]["tokenizer_name"] == "gemma3-270m"
+    by_key = {(x["prompt_id"], x["turn"]): x for x in rows()}
+    samples = [s for e in m["shards"] for s in pq.read_table(run.shards / e["path"]).to_pylist()]
+    assert len(samples) == len(rows())
+    for s in samples:
+        (span,) = s["loss_spans"]
+        assert r.decode(s["input_ids"][span["start"]:span["end"]]) == generated_text(by_key[(s["prompt_id"], s["turn"])])
+        assert s["input_ids"][0] == r.tokenizer.bos_token_id and s["input_ids"][span["end"] - 1] == 106
