@@ -178,13 +178,14 @@ def main() -> int:
                 "tool_agent": "tool_use", "multilingual_chat": "multilingual"})]})
         run = RunDir.at(Path(tmp) / "run")
         with PeakRSS() as mem:
-            t = time.time()
+            t, c = time.time(), time.process_time()
             m = run_select(cfg, run, seed=0, progress=sys.stderr.isatty())
-            sel_s = time.time() - t
+            sel_s, cpu_s = time.time() - t, time.process_time() - c
     acct = m["accounting"]["totals"]
     print(f"selected {m['num_prompts']:,} of {total:,}; rejected {acct['rejected']:,} "
           f"({', '.join(f'{k} {v:,}' for k, v in m['filters'].items() if v)}); not selected {acct['not_selected']:,}")
-    print(f"select: {sel_s:.1f} s, {rows / sel_s:,.0f} rows/s, peak RSS {mem.peak / 2**30:.2f} GiB")
+    print(f"select: {sel_s:.1f} s wall, {cpu_s:.1f} s CPU; {rows / sel_s:,.0f} rows/s wall, {rows / cpu_s:,.0f} rows "
+          f"per CPU-second; peak RSS {mem.peak / 2**30:.2f} GiB")
     print(f"baseline pyarrow.parquet.read_table: {base_s:.2f} s ({rows / base_s:,.0f} rows/s); "
           f"select / read ratio {sel_s / base_s:.1f}x")
     print(f"cpu: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} (shared machine)")
