@@ -1,7 +1,6 @@
 """Fixtures of the regeneration-client tests: a real fake-OpenAI server on loopback and small prompt runs."""
 from __future__ import annotations
 
-import json
 
 import pyarrow as pa
 import pytest
