@@ -266,20 +266,25 @@ def run_render(cfg: RenderConfig, run: RunDir, *, progress: bool = True, force: 
                 if row.get("status") != "ok" or row.get("request_key") not in selected:
                     continue
                 state.counts["rendered"] += 1
+                before = rows_renderer.snapshot()
+                closed = None
                 try:
                     sample = rows_renderer.sample(row)
                 except Reject as r:
                     state.reject(_reject_row(row, f, index, r.filter, r.reason, r.score))
-                    continue
-                if sample["sample_id"] in state.seen:
+                    sample = None
+                if sample is not None and sample["sample_id"] in state.seen:
                     state.counts["duplicates"] += 1
-                    continue
-                state.seen.add(sample["sample_id"])
-                if not state.writer.fits(sample):  # close the shard before this row: cursor = the row before it
-                    state.position = {"file": fi, "row": pos}
-                    state.checkpoint(rows_renderer, None)
-                    state.position = {"file": fi, "row": pos + 1}
-                closed = state.writer.add(sample)
+                    sample = None
+                if sample is not None:
+                    state.seen.add(sample["sample_id"])
+                    if not state.writer.fits(sample):  # close the shard first: the cursor is the row before
+                        state.position = {"file": fi, "row": pos}
+                        state.counts["rendered"] -= 1
+                        state.checkpoint(rows_renderer, None, counters=before)
+                        state.counts["rendered"] += 1
+                        state.position = {"file": fi, "row": pos + 1}
+                    closed = state.writer.add(sample)
                 if closed or len(state.pending_rejects) >= PENDING_REJECTS_CHECKPOINT:
                     state.checkpoint(rows_renderer, closed)
                     bar.update(task, info=f"{state.totals()['num_rows']} rows")
@@ -334,7 +339,9 @@ class _State:
     def totals(self) -> dict:
         return manifest_totals(self.entries)
 
-    def checkpoint(self, rr: RowRenderer, closed: dict | None, final: bool = False) -> dict:
+    def checkpoint(self, rr: RowRenderer, closed: dict | None, final: bool = False, counters: dict | None = None) -> dict:
+        """Write the open shard (unless `closed` was just written), pending rejects and the manifest with the
+        cursor. `counters`: the row renderer's counters to record (a snapshot from before the current row)."""
         if final or not closed:
             closed = self.writer.flush() or closed
         if closed:
@@ -345,15 +352,16 @@ class _State:
             self.pending_rejects = []
         self.checkpoint_index += 1
         self.cursor = dict(self.position)
-        checked = rr.drift["rows_checked"]
+        c = counters or rr.snapshot()
+        checked = c["drift"]["rows_checked"]
         manifest = {
             **self.base, "status": "complete" if final else "running", "complete": final,
             **self.totals(), "shards": self.entries, "checkpoint": self.checkpoint_index, "cursor": self.cursor,
             "counts": dict(self.counts), "rejected": dict(sorted(self.rejected.items())),
-            "row_counts": dict(rr.counts),
-            "drift": {"rows_checked": checked, "rows_drifted": rr.drift["rows_drifted"],
-                      "rate": rr.drift["rows_drifted"] / checked if checked else 0.0,
-                      "causes": dict(sorted(rr.drift["causes"].items())), "policy": self.cfg.on_drift},
+            "row_counts": c["row_counts"],
+            "drift": {"rows_checked": checked, "rows_drifted": c["drift"]["rows_drifted"],
+                      "rate": c["drift"]["rows_drifted"] / checked if checked else 0.0,
+                      "causes": dict(sorted(c["drift"]["causes"].items())), "policy": self.cfg.on_drift},
             "elapsed_s": round(self.elapsed_s, 3),
         }
         self.run.write_manifest(self.run.shards, manifest)

@@ -205,6 +205,12 @@ class RowRenderer:
         self.counts: Counter = Counter()
         self.drift = {"rows_checked": 0, "rows_drifted": 0, "causes": Counter()}
 
+    def snapshot(self) -> dict:
+        """A copy of the counters: {"row_counts": {...}, "drift": {rows_checked, rows_drifted, causes}}."""
+        return {"row_counts": dict(self.counts),
+                "drift": {"rows_checked": self.drift["rows_checked"], "rows_drifted": self.drift["rows_drifted"],
+                          "causes": dict(self.drift["causes"])}}
+
     def _closing_and_strip(self) -> tuple[list[int], set[int]]:
         """The closing markers at the end of every generated span, and end tokens a server may append that the
         mask does not supervise. Found from a probe rendering, so they follow the renderer's mask policy."""

@@ -293,7 +293,37 @@ def test_deterministic_and_resumable(tmp_path, monkeypatch, size):
     mc = run_render(k3_cfg(**size), run_c, progress=False)
     assert resumed["n"] == len(rows) - consumed  # rows in listed shards are not rendered again
     assert [e["sha256"] for e in mc["shards"]] == [e["sha256"] for e in ma["shards"]]
-    assert mc["counts"]["rendered"] == ma["counts"]["rendered"] and mc["complete"]
+    assert mc["complete"] and mc["counts"] == ma["counts"] and mc["row_counts"] == ma["row_counts"]
+
+
+def test_resume_with_rejects_gives_the_same_outputs(tmp_path, monkeypatch):
+    rows = good_rows() + [b[0] for b in bad_rows()]
+    for d in ("a", "c"):
+        write_generations(tmp_path / d, rows, parts=3)
+    cfg = k3_cfg(shard_max_rows=2)
+    ma = run_render(cfg, RunDir.at(tmp_path / "a"), progress=False)
+    from regen import render_rows
+
+    real = render_rows.RowRenderer.sample
+    calls = {"n": 0}
+
+    def crashing(self, row):
+        calls["n"] += 1
+        if calls["n"] > 7:
+            raise KeyboardInterrupt
+        return real(self, row)
+
+    monkeypatch.setattr(render_rows.RowRenderer, "sample", crashing)
+    run_c = RunDir.at(tmp_path / "c")
+    with pytest.raises(KeyboardInterrupt):
+        run_render(cfg, run_c, progress=False)
+    monkeypatch.setattr(render_rows.RowRenderer, "sample", real)
+    mc = run_render(cfg, run_c, progress=False)
+    for key in ("counts", "rejected", "row_counts", "drift", "num_rows", "num_tokens"):
+        assert mc[key] == ma[key], key
+    assert [e["sha256"] for e in mc["shards"]] == [e["sha256"] for e in ma["shards"]]
+    key = lambda r: (r["prompt_id"], r["filter"], r["reason"])  # noqa: E731
+    assert sorted(map(key, read_rejects(run_c))) == sorted(map(key, read_rejects(RunDir.at(tmp_path / "a"))))
 
 
 def test_filters_alone_and_scores_are_columns(tmp_path):
