@@ -1,7 +1,9 @@
 """`regen train`: the bundled online trainer. Target hidden states on the fly -> DSpark draft checkpoints.
 
     regen train --profile local --run runs/local [--follow] [--max-steps N]
-    torchrun --nproc_per_node 8 -m regen.train --profile kimi-k3 --run runs/k3 --follow
+    torchrun --nproc_per_node 8 -m regen.train -- --profile kimi-k3 --run runs/k3 --follow
+
+(torchrun needs the `--`: otherwise it reads `--run` as an ambiguous abbreviation of its own `--run-path`.)
 
 Reads top to bottom like nanoGPT's train.py: config, process group, target (frozen, local path,
 `regen.target`), draft (`regen.dspark`), shard (`regen.parallel`, FSDP2), optimizer (AdamW, warmup + cosine,
@@ -257,6 +259,8 @@ def run_train(cfg, run, *, follow: bool = False, stop_after_steps: int | None = 
         total_steps = cfg.max_steps
     elif follow:
         raise InputError("--follow needs train.max_steps (the schedule's length): e.g. --max-steps 2000")
+    elif cfg.epochs <= 0:
+        raise InputError("train.epochs=0 (repeat the data) needs train.max_steps > 0")
     else:
         total_steps = feed.count_steps(cfg.epochs)
         if total_steps == 0:
@@ -265,7 +269,7 @@ def run_train(cfg, run, *, follow: bool = False, stop_after_steps: int | None = 
 
     # -- optimizer ------------------------------------------------------------------------------------------
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
-                            betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+                            betas=tuple(cfg.betas), eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total_steps, cfg.warmup_frac, cfg.min_lr_frac))
     step = 0
     resume_from = latest_checkpoint(train_dir)
@@ -280,7 +284,7 @@ def run_train(cfg, run, *, follow: bool = False, stop_after_steps: int | None = 
     history, t_start = [], time.perf_counter()
     totals = torch.zeros(3, dtype=torch.float64)  # tokens, target seconds, step seconds (this rank)
     ckpt, steps_here = resume_from, 0
-    num_epochs = None if cfg.max_steps > 0 else cfg.epochs
+    num_epochs = cfg.epochs if cfg.epochs > 0 else None  # ends at the first of max_steps and epochs
     train_dir.mkdir(parents=True, exist_ok=True)
     steps = feed.steps(num_epochs=num_epochs)
     while step < total_steps and (stop_after_steps is None or steps_here < stop_after_steps):

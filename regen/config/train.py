@@ -37,11 +37,12 @@ class TrainConfig(BaseModel):
     lr: float = 6e-4
     weight_decay: float = 0.0
     betas: list[float] = Field(default_factory=lambda: [0.9, 0.95])
+    adam_eps: float = 1e-8
     warmup_frac: float = 0.04
     min_lr_frac: float = 0.0  # cosine decays to lr * min_lr_frac
     grad_clip: float = 1.0
-    max_steps: int = 0  # optimizer steps; 0 = `epochs` passes over the data (required with --follow)
-    epochs: int = 1
+    max_steps: int = 0  # optimizer steps = the schedule's length; 0 = `epochs` passes (required with --follow)
+    epochs: int = 1  # passes over the data (training ends at the first of max_steps and epochs); 0 = no limit
     grad_accum: int = 1  # micro-batches per rank per optimizer step
     seed: int | None = None  # null = the profile's seed
     device: str = "auto"  # auto | cpu | cuda

@@ -71,7 +71,7 @@ def write_profile(path: Path, target: Path, **train) -> Path:
         "enabled": True, "target": str(target), "target_layer_ids": [0, 1, 2], "num_draft_layers": 1,
         "markov_rank": 16, "num_anchors": 8, "max_len": 64, "max_tokens": 256, "max_batch": 4,
         "shuffle_buffer": 8, "bucket_window": 8, "min_loss_tokens": 4, "heldout_fraction": 0.0,
-        "device": "cpu", "checkpoint_every": 0, "log_every": 1, "lr": 1e-3, "seed": 0,
+        "device": "cpu", "checkpoint_every": 0, "log_every": 1, "lr": 1e-3, "seed": 0, "epochs": 0,
     }
     section.update(train)
     Path(path).write_text(yaml.safe_dump({"name": "tiny", "train": section}))

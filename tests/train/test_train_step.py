@@ -1,0 +1,106 @@
+"""One optimizer step on a tiny target: accumulation equals one large batch; checkpoint round trip."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from regen.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from regen.dspark import DSparkDraft, small_config_for_target
+from regen.feed import FeedConfig, ShardFeed
+from regen.parallel import full_model_state, full_optim_state, init_distributed, shard_model
+from regen.target import TargetContract, TargetFeatures
+from regen.train import lr_lambda, make_objective, prepare_microbatch, train_step
+
+
+@pytest.fixture(scope="module")
+def dist_info():
+    info = init_distributed("cpu")
+    yield info
+    torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def target(tiny_target):
+    return TargetFeatures.from_pretrained(tiny_target, TargetContract((0, 1, 2)))
+
+
+def build(target, info, seed=0, lr=1e-2, sgd=False):
+    torch.manual_seed(seed)
+    cfg = small_config_for_target(target.config, target_layer_ids=(0, 1, 2), markov_rank=16, num_anchors=6)
+    draft = DSparkDraft.from_target(target.model, cfg)
+    model = shard_model(make_objective(draft), info, blocks=draft.layers)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    # SGD makes the update linear in the gradient (Adam's first step is ~sign(g): equal within rounding only)
+    opt = torch.optim.SGD(trainable, lr=lr) if sgd else torch.optim.AdamW(trainable, lr=lr, betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(10, 0.04, 0.0))
+    return model, opt, sched
+
+
+def microbatches(run_dir, n=2):
+    feed = ShardFeed(run_dir / "shards", FeedConfig(max_len=64, max_tokens=256, max_batch=3, min_loss_tokens=4,
+                                                    shuffle_buffer=8, bucket_window=8), grad_accum=n)
+    return next(feed.steps()).microbatches
+
+
+def concat(mbs):
+    """One batch holding every row of `mbs` (right-padded), anchors padded with switched-off dummies."""
+    width = max(b["input_ids"].shape[1] for b, _, _ in mbs)
+    n = max(a.shape[1] for _, a, _ in mbs)
+
+    def pad(x, w, value=0):
+        return torch.nn.functional.pad(x, (0, w - x.shape[1]), value=value)
+
+    batch = {k: torch.cat([pad(b[k], width) for b, _, _ in mbs]) for k in ("input_ids", "loss_mask", "attention_mask")}
+    return batch, torch.cat([pad(a, n) for _, a, _ in mbs]), torch.cat([pad(k, n, False) for _, _, k in mbs])
+
+
+def params(model):
+    return {k: v.clone() for k, v in full_model_state(model).items()}
+
+
+def test_gradient_accumulation_equals_one_large_batch(tiny_run, target, dist_info):
+    _, run_dir = tiny_run
+    model_a, opt_a, _ = build(target, dist_info, sgd=True, lr=1.0)
+    cfg = model_a.config
+    mbs = [prepare_microbatch(mb, 0, cfg, torch.device("cpu")) for mb in microbatches(run_dir)]
+    assert len(mbs) == 2 and not torch.equal(mbs[0][1], mbs[1][1])
+    before = params(model_a)
+    m_a = train_step(model_a, target, opt_a, mbs)
+    model_b, opt_b, _ = build(target, dist_info, sgd=True, lr=1.0)
+    assert all(torch.equal(before[k], v) for k, v in params(model_b).items())
+    m_b = train_step(model_b, target, opt_b, [concat(mbs)])
+    assert m_a["weight"] == pytest.approx(m_b["weight"])
+    assert m_a["sums"][0].item() == pytest.approx(m_b["sums"][0].item(), rel=1e-5)  # same objective
+    after_a, after_b = params(model_a), params(model_b)
+    changed = [k for k in after_a if not torch.equal(after_a[k], before[k])]
+    assert "draft.context_proj.weight" in changed and "draft.markov_head.markov_w2.weight" in changed
+    for k in after_a:
+        torch.testing.assert_close(after_a[k] - before[k], after_b[k] - before[k], rtol=1e-4, atol=1e-7, msg=k)
+
+
+def test_checkpoint_round_trip(tiny_run, target, dist_info, tmp_path):
+    _, run_dir = tiny_run
+    model, opt, sched = build(target, dist_info)
+    feed = ShardFeed(run_dir / "shards", FeedConfig(max_len=64, max_tokens=256, max_batch=3, min_loss_tokens=4))
+    for step in list(feed.steps())[:2]:
+        train_step(model, target, opt, [prepare_microbatch(mb, 0, model.config, "cpu") for mb in step.microbatches])
+        sched.step()
+    path = save_checkpoint(tmp_path, 2, model, opt, sched, feed, training={"note": "test"})
+    assert latest_checkpoint(tmp_path) == path
+    config = json.loads((path / "config.json").read_text())
+    assert config["target_layer_ids"] == [0, 1, 2] and config["markov_rank"] == 16 and "fc_norm" in config
+
+    model2, opt2, sched2 = build(target, dist_info, seed=1)
+    feed2 = ShardFeed(run_dir / "shards", FeedConfig(max_len=64, max_tokens=256, max_batch=3, min_loss_tokens=4))
+    assert not torch.equal(params(model2)["draft.context_proj.weight"], params(model)["draft.context_proj.weight"])
+    assert load_checkpoint(path, model2, opt2, sched2, feed2) == 2
+    p1, p2 = params(model), params(model2)
+    assert p1.keys() == p2.keys() and all(torch.equal(p1[k], p2[k]) for k in p1)
+    o1, o2 = full_optim_state(model, opt), full_optim_state(model2, opt2)
+    assert o1["state"].keys() == o2["state"].keys() and len(o1["state"]) > 5
+    for name, st in o1["state"].items():
+        for key, value in st.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(o2["state"][name][key])), (name, key)
+    assert sched2.state_dict() == sched.state_dict() and feed2.state_dict() == feed.state_dict()
