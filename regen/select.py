@@ -152,7 +152,7 @@ def select_rows(pool: pa.Table, cfg: SelectConfig, seed: int) -> tuple[np.ndarra
 class RejectWriter:
     """Buffers rejected rows and writes `rejected/select/part-NNNNN.parquet` files atomically."""
 
-    def __init__(self, directory: Path, flush_rows: int = 100_000):
+    def __init__(self, directory: Path, flush_rows: int = 20_000):
         self.dir = directory
         self.rows: list[dict] = []
         self.parts: list[dict] = []
@@ -365,21 +365,24 @@ def _near_dedup(pool: pa.Table, sig: np.ndarray, near, rejects: RejectWriter, ac
         return pool
     ids = pool.column("prompt_id").to_pylist()
     near.matches = {ids[i]: (ids[j], float(s)) for i, j, s in zip(dup.tolist(), match.tolist(), jac.tolist())}
-    meta = pool.select(["prompt_id", "source", "source_file", "source_row", "category", "messages"]).take(
-        pa.array(dup, type=pa.int64())).to_pylist()
-    for row in meta:
-        dec = near(_Row(row["prompt_id"]))
-        if dec.keep:  # verified below threshold cannot happen (pairs are verified); keep the row anyway
-            continue
-        rejects.add(RejectedRecord(stage=STAGE, filter=near.name, reason=dec.reason, score=dec.score,
-                                   source=row["source"], source_file=row["source_file"], source_row=row["source_row"],
-                                   prompt_id=row["prompt_id"], category=row["category"],
-                                   payload=_payload(row["messages"])))
-        drops[near.name] += 1
-        acct[row["source_file"]]["rejected"] += 1
+    cols = pool.select(["prompt_id", "source", "source_file", "source_row", "category", "messages"])
+    for s in range(0, len(dup), 10_000):
+        for row in cols.take(pa.array(dup[s : s + 10_000], type=pa.int64())).to_pylist():
+            _near_reject(row, near, rejects, acct, drops)
     mask = np.ones(pool.num_rows, dtype=bool)
     mask[dup] = False
     return pool.filter(pa.array(mask))
+
+
+def _near_reject(row: dict, near, rejects: RejectWriter, acct: dict, drops: Counter) -> None:
+    dec = near(_Row(row["prompt_id"]))
+    assert not dec.keep, "near_duplicates returns verified pairs only"
+    rejects.add(RejectedRecord(stage=STAGE, filter=near.name, reason=dec.reason, score=dec.score,
+                               source=row["source"], source_file=row["source_file"], source_row=row["source_row"],
+                               prompt_id=row["prompt_id"], category=row["category"],
+                               payload=_payload(row["messages"])))
+    drops[near.name] += 1
+    acct[row["source_file"]]["rejected"] += 1
 
 
 class _Row:
