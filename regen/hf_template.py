@@ -110,17 +110,21 @@ class HFTemplateRenderer:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
-    def render(self, messages: list[dict], tools: list[dict] | None = None, **template_kwargs) -> Rendered:
+    def render(self, messages: list[dict], tools: list[dict] | None = None, *, last_only: bool = False,
+               **template_kwargs) -> Rendered:
         """Render `messages` (+ `tools`) with the chat template; one span per assistant message.
 
         `add_generation_prompt=True` appends the generation prompt after the last message (no span for it).
+        `last_only=True` (prefix path): only the last assistant message gets a span and only its prefixes are
+        checked, so a template that rewrites earlier turns (e.g. drops their reasoning) still renders a row
+        whose history is "as the template renders it" and whose answer is what the target generated last.
         Raises TemplateNotPrefixStable (prefix path) or InputError (marker path: runs != assistant messages).
         """
         gen_prompt = bool(template_kwargs.pop("add_generation_prompt", False))
         template_kwargs.pop("tokenize", None)
         if self.mask == "markers":
             return self._render_markers(messages, tools, gen_prompt, template_kwargs)
-        return self._render_prefix(messages, tools, gen_prompt, template_kwargs)
+        return self._render_prefix(messages, tools, gen_prompt, template_kwargs, last_only)
 
     # -- helpers ---------------------------------------------------------------------------------------------
 
@@ -138,13 +142,12 @@ class HFTemplateRenderer:
                 best = max(best, i + len(s))
         return best if best >= 0 else len(answer)
 
-    def _render_prefix(self, messages, tools, gen_prompt: bool, kwargs: dict) -> Rendered:
+    def _render_prefix(self, messages, tools, gen_prompt: bool, kwargs: dict, last_only: bool = False) -> Rendered:
         full = self._text(messages, tools, gen_prompt, kwargs)
         char_spans: list[tuple[int, int]] = []
         last_end = 0
-        for k, m in enumerate(messages):
-            if m.get("role") != "assistant":
-                continue
+        assistant = [k for k, m in enumerate(messages) if m.get("role") == "assistant"]
+        for k in assistant[-1:] if last_only else assistant:
             pre = self._text(messages[:k], tools, True, kwargs) if k else ""
             post = self._text(messages[: k + 1], tools, False, kwargs)
             for a, b, what in ((pre, post, f"messages[:{k}] + generation prompt is not a prefix of messages[:{k + 1}]"),

@@ -201,6 +201,8 @@ class RowRenderer:
     def __init__(self, renderer, cfg, contract_hash: str):
         self.renderer, self.cfg, self.contract_hash = renderer, cfg, contract_hash
         self.allowed_kwargs = KIMI_TEMPLATE_KWARGS if renderer.name == "kimi-k3" else ()
+        # rows supervise the last turn only: an HF template need only be prefix-stable up to it
+        self.render_options = {"last_only": True} if renderer.name == "hf" else {}
         self.closing, self.strip = self._closing_and_strip()
         self.counts: Counter = Counter()
         self.drift = {"rows_checked": 0, "rows_drifted": 0, "causes": Counter()}
@@ -269,7 +271,7 @@ class RowRenderer:
 
     def _render(self, messages, tools, kwargs):
         try:
-            return self.renderer.render(messages, tools, **kwargs)
+            return self.renderer.render(messages, tools, **self.render_options, **kwargs)
         except ValueError as exc:  # RenderError, InputError, TemplateNotPrefixStable are ValueErrors
             code = getattr(exc, "reason", None) or type(exc).__name__
             raise Reject("render", f"{code}: {exc}") from None

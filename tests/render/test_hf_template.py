@@ -85,3 +85,14 @@ def test_directory_without_template_is_an_input_error(tmp_path, tokenizer_json):
         HFTemplateRenderer(d)
     with pytest.raises(InputError, match="does not exist"):
         HFTemplateRenderer(tmp_path / "missing")
+
+
+def test_last_only_renders_history_as_the_template_does(make_hf_dir):
+    r = HFTemplateRenderer(make_hf_dir(UNSTABLE_TEMPLATE, "unstable-last"))
+    out = r.render(CONV, last_only=True)
+    assert len(out.assistant_spans) == 1
+    assert masked_texts(r, out) == ["<think>think step by step</think> Bonjour\n\n<|im_end|>"]
+    assert "2 plus 3 is 5." not in out.text  # the template dropped the earlier reasoning; so does the row
+    s, _ = out.assistant_spans[0]
+    assert r.decode(out.input_ids[:s]) == r.tokenizer.apply_chat_template(CONV[:-1], tokenize=False,
+                                                                          add_generation_prompt=True)

@@ -121,3 +121,24 @@ def test_local_profile_renders_with_the_embedded_tokenizer(tmp_path, repo_root):
         (span,) = s["loss_spans"]
         assert r.decode(s["input_ids"][span["start"]:span["end"]]) == generated_text(by_key[(s["prompt_id"], s["turn"])])
         assert s["input_ids"][0] == r.tokenizer.bos_token_id and s["input_ids"][span["end"] - 1] == 106
+
+
+def test_template_that_drops_history_reasoning_renders_per_turn_rows(tmp_path, make_hf_dir):
+    from render_fixtures import UNSTABLE_TEMPLATE
+
+    tok_dir = make_hf_dir(UNSTABLE_TEMPLATE, "drops-history-reasoning")
+    a0 = {"role": "assistant", "content": "Two plus three is five.", "reasoning_content": "EARLIER REASONING"}
+    gen = [generation_row("u", 0, [U1], content=a0["content"], reasoning_content=a0["reasoning_content"]),
+           generation_row("u", 1, [U1, a0, {"role": "user", "content": "Times ten?"}],
+                          content="Fifty, which is five times ten.", reasoning_content="5*10")]
+    write_generations(tmp_path, gen)
+    run = RunDir.at(tmp_path)
+    m = run_render(RenderConfig(renderer="hf", tokenizer=str(tok_dir), min_loss_tokens=1), run, progress=False)
+    r = HFTemplateRenderer(tok_dir)
+    samples = {s["turn"]: s for s in pq.read_table(run.shards / m["shards"][0]["path"]).to_pylist()}
+    assert m["num_rows"] == 2 and not m["rejected"]
+    for turn, row in enumerate(gen):
+        (span,) = samples[turn]["loss_spans"]
+        text = r.decode(samples[turn]["input_ids"][span["start"]:span["end"]])
+        assert text == f"<think>{row['reasoning_content']}</think>{row['content']}<|im_end|>"
+    assert "EARLIER REASONING" not in r.decode(samples[1]["input_ids"])  # history as the template renders it
