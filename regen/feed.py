@@ -55,7 +55,8 @@ class FeedConfig:
     """Settings of the feed. Those in `stream_fields()` shape the sample stream and are checked on resume."""
 
     seed: int = 0
-    max_len: int = 256  # rows are truncated to their first max_len tokens
+    max_len: int = 256  # rows longer than this are truncated to max_len tokens
+    truncate: str = "right"  # right: keep the first max_len tokens (DS); left: keep the last max_len
     max_tokens: int = 2048  # padded tokens per micro-batch (rows x longest row); must be >= max_len
     max_batch: int = 8  # rows per micro-batch at most
     shuffle_buffer: int = 256  # samples; 1 = manifest order
@@ -69,7 +70,7 @@ class FeedConfig:
     cache_shards: int = 8  # verified shard tables kept in memory
 
     def stream_fields(self) -> dict:
-        keys = ("seed", "max_len", "max_tokens", "max_batch", "shuffle_buffer", "bucket_window",
+        keys = ("seed", "max_len", "truncate", "max_tokens", "max_batch", "shuffle_buffer", "bucket_window",
                 "min_loss_tokens", "heldout_fraction")
         d = asdict(self)
         return {k: d[k] for k in keys}
@@ -86,6 +87,7 @@ class SampleRef:
     row: int
     sample_id: str
     num_tokens: int  # after truncation to max_len
+    start: int = 0  # first kept token of the row (> 0 when truncated on the left)
 
 
 @dataclass
@@ -151,6 +153,8 @@ class ShardFeed:
                  grad_accum: int = 1, follow: bool = False, heldout: Callable[[str], bool] | None = None):
         if cfg.max_tokens < cfg.max_len:
             raise InputError(f"train.max_tokens ({cfg.max_tokens}) must be >= train.max_len ({cfg.max_len})")
+        if cfg.truncate not in ("right", "left"):
+            raise InputError(f"train.truncate={cfg.truncate!r}: allowed values are 'right' and 'left'")
         if cfg.on_bad_shard not in ("error", "skip"):
             raise InputError(f"train.on_bad_shard={cfg.on_bad_shard!r}: allowed values are 'error' and 'skip'")
         if not 0 <= rank < world_size or grad_accum < 1:
@@ -246,13 +250,14 @@ class ShardFeed:
                 self.stats["rows_heldout"] += 1
                 continue
             n_kept = min(int(n), cfg.max_len)
+            start = int(n) - n_kept if cfg.truncate == "left" else 0
             if n_kept < n:
                 self.stats["rows_truncated"] += 1
-            num_loss = sum(max(0, min(s["end"], n_kept) - s["start"]) for s in spans)
+            num_loss = sum(max(0, min(s["end"], start + n_kept) - max(s["start"], start)) for s in spans)
             if num_loss < cfg.min_loss_tokens:
                 self.stats["rows_short"] += 1
                 continue
-            refs.append(SampleRef(i, row, sid, n_kept))
+            refs.append(SampleRef(i, row, sid, n_kept, start))
         return refs
 
     def _refs(self, epoch: int) -> Iterator[SampleRef]:
@@ -336,12 +341,14 @@ class ShardFeed:
             table = self._table(r.shard)
             if table is None:  # verified earlier; changed on disk since and now skipped
                 raise InputError(f"shard {self._entries[r.shard]['path']} changed on disk while training")
-            n = r.num_tokens
-            ids = table.column("input_ids")[r.row].values.to_numpy(zero_copy_only=False)[:n]
+            n, o = r.num_tokens, r.start
+            ids = table.column("input_ids")[r.row].values.to_numpy(zero_copy_only=False)[o:o + n]
             input_ids[b, :n] = torch.from_numpy(ids.astype("int64"))
             attention_mask[b, :n] = True
             for s in table.column("loss_spans")[r.row].as_py():
-                loss_mask[b, s["start"]: min(s["end"], n)] = True
+                lo, hi = max(s["start"], o) - o, min(s["end"], o + n) - o
+                if hi > lo:
+                    loss_mask[b, lo:hi] = True
         return MicroBatch(epoch, index, [r.sample_id for r in refs], input_ids, loss_mask, attention_mask)
 
     def steps(self, num_epochs: int | None = 1) -> Iterator[Step]:

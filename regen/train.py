@@ -99,7 +99,7 @@ def lr_lambda(total_steps: int, warmup_frac: float, min_lr_frac: float):
 def feed_config(cfg):
     from regen.feed import FeedConfig
 
-    return FeedConfig(seed=cfg.seed or 0, max_len=cfg.max_len, max_tokens=cfg.max_tokens, max_batch=cfg.max_batch,
+    return FeedConfig(seed=cfg.seed or 0, max_len=cfg.max_len, truncate=cfg.truncate, max_tokens=cfg.max_tokens, max_batch=cfg.max_batch,
                       shuffle_buffer=cfg.shuffle_buffer, bucket_window=cfg.bucket_window,
                       min_loss_tokens=cfg.min_loss_tokens, heldout_fraction=cfg.heldout_fraction,
                       on_bad_shard=cfg.on_bad_shard, poll_s=cfg.follow_poll_s, follow_timeout_s=cfg.follow_timeout_s)
@@ -138,6 +138,10 @@ def prepare_microbatch(mb, seed: int, draft_cfg, device):
     from regen.dspark_loss import sample_anchors
     from regen.feed import stable_hash
 
+    top = int(mb.input_ids.max())
+    if top >= draft_cfg.vocab_size:
+        raise InputError(f"sample {mb.sample_ids} has token id {top} >= the target's vocab_size "
+                         f"{draft_cfg.vocab_size}: the shards were rendered with another tokenizer than the target's")
     gen = torch.Generator().manual_seed(stable_hash(seed, mb.epoch, mb.index, "anchors") & ((1 << 62) - 1))
     batch = {"input_ids": mb.input_ids.to(device), "loss_mask": mb.loss_mask.to(device),
              "attention_mask": mb.attention_mask.to(device)}

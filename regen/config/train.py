@@ -49,6 +49,7 @@ class TrainConfig(BaseModel):
     dtype: str = "auto"  # draft compute dtype: auto (bf16 on cuda, fp32 on cpu) | float32 | bfloat16
     # data feed (regen.feed)
     max_len: int = 4096  # tokens per row (longer rows are truncated)
+    truncate: str = "right"  # right: keep a long row's first max_len tokens (DS); left: keep its last max_len
     max_tokens: int = 16384  # padded tokens per micro-batch
     max_batch: int = 8  # rows per micro-batch
     shuffle_buffer: int = 1024

@@ -167,3 +167,19 @@ def test_manifest_may_only_grow(three_shards):
 def test_count_steps_matches_iteration(three_shards):
     feed = ShardFeed(three_shards.dir, CFG, world_size=1, grad_accum=3)
     assert feed.count_steps(2) == len(ids_of(ShardFeed(three_shards.dir, CFG, grad_accum=3), num_epochs=2))
+
+
+def test_left_truncation_keeps_the_end_of_long_rows(shard_writer):
+    rows = make_rows(12, seed=7, min_len=70, max_len=120)
+    shard_writer.add(rows, complete=True)
+    cfg = FeedConfig(**{**CFG.__dict__, "truncate": "left"})
+    by_id = {r["sample_id"]: r for r in rows}
+    n = 0
+    for step in ShardFeed(shard_writer.dir, cfg).steps():
+        for mb in step.microbatches:
+            for b, sid in enumerate(mb.sample_ids):
+                row, n = by_id[sid], n + 1
+                assert mb.input_ids[b, :CFG.max_len].tolist() == row["input_ids"][-CFG.max_len:]
+                mask = mask_from_spans(row["loss_spans"], row["num_tokens"])[-CFG.max_len:]
+                assert mb.loss_mask[b].int().tolist() == mask
+    assert n == 12
