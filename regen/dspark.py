@@ -537,6 +537,27 @@ class DSparkDraft(nn.Module):
             prev = x
         return torch.stack(tokens), torch.stack(conf).float()
 
+    @torch.no_grad()
+    def propose_batch(self, taps_BSX, input_ids_BS, anchors_BN, keep_BN=None, *, position_ids_BS=None):
+        """Greedy proposals for many anchors at once: (tokens int64[B, N, K], confidence f32[B, N, K]).
+
+        Equal to `propose` at each anchor a (features of positions < a, anchor token input_ids[a]), because
+        the training mask gives each block exactly that context; the Markov correction is applied slot by
+        slot on the block's own argmax tokens. Used by `regen.eval` to replay a whole generation in one pass.
+        """
+        if keep_BN is None:
+            keep_BN = torch.ones_like(anchors_BN, dtype=torch.bool)
+        h = self(taps_BSX, input_ids_BS, anchors_BN, keep_BN, position_ids_BS)  # [B, N, K, H]
+        prev = input_ids_BS.long().gather(1, anchors_BN)
+        tokens, conf = [], []
+        for k in range(self.config.block_size):
+            logits = self.corrected_logits(h[:, :, k], prev)
+            c = self.confidence_logits(h[:, :, k], prev)
+            conf.append(torch.sigmoid(c) if c is not None else torch.ones_like(prev, dtype=torch.float32))
+            prev = logits.argmax(-1)
+            tokens.append(prev)
+        return torch.stack(tokens, -1), torch.stack(conf, -1).float()
+
 
 # ----------------------------------------------------------------------------------------------- io
 

@@ -171,26 +171,39 @@ def greedy_reference(target, prompt_ids: list[int], num_tokens: int, stop_ids) -
     return seq, argmax[: len(seq)], taps[0]
 
 
+def proposal_table(draft, taps_SX, sequence: list[int], first: int, chunk: int = 128) -> list[list[int]]:
+    """The draft's greedy block at every anchor position first…len(sequence)−1 (`DSparkDraft.propose_batch`,
+    equal to one `propose` per round): list of K-token lists, index = anchor − first."""
+    import torch
+
+    dev = next(draft.parameters()).device
+    ids = torch.tensor([sequence], device=dev)
+    taps = taps_SX[None].to(dev)
+    out: list[list[int]] = []
+    for start in range(first, len(sequence), chunk):
+        anchors = torch.arange(start, min(start + chunk, len(sequence)), device=dev)[None]
+        out.extend(draft.propose_batch(taps, ids, anchors)[0][0].tolist())
+    return out
+
+
 def evaluate(target, drafts: dict, prompts: list[dict], *, max_new_tokens: int, stop_ids, block_size: int,
              progress: bool = False) -> dict:
     """acc_len of each draft in `drafts` ({name: DSparkDraft}) over `prompts` (see `heldout_prompts`).
 
     Returns {name: {acc_len, num_rounds, accept_rate, per_category: {cat: {acc_len, num_rounds, ...}}}}.
     """
-    import torch
-
     rounds = {name: {} for name in drafts}
     for n, p in enumerate(prompts):
         seq, argmax, taps = greedy_reference(target, p["prompt_ids"], max_new_tokens + block_size + 1, stop_ids)
+        P = len(p["prompt_ids"])
         for name, draft in drafts.items():
-            dev = next(draft.parameters()).device
+            table = proposal_table(draft, taps, seq, P)
 
-            def propose(pos, draft=draft, dev=dev):
-                return draft.propose(taps[:pos].to(dev), seq[pos], pos)[0].tolist()
+            def propose(pos, table=table, P=P):
+                return table[pos - P]
 
-            with torch.no_grad():
-                r = replay_rounds(propose, seq, argmax, len(p["prompt_ids"]), max_new_tokens=max_new_tokens,
-                                  block_size=block_size, stop_ids=stop_ids)
+            r = replay_rounds(propose, seq, argmax, P, max_new_tokens=max_new_tokens, block_size=block_size,
+                              stop_ids=stop_ids)
             rounds[name].setdefault(p["category"], []).extend(r)
         if progress:
             print(f"eval: prompt {n + 1}/{len(prompts)} ({len(seq) - len(p['prompt_ids'])} tokens)", flush=True)

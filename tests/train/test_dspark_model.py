@@ -136,3 +136,18 @@ def test_from_target_copies_frozen_embeddings_and_checkpoint_round_trip(tmp_path
         load_draft(tmp_path / "ckpt")  # frozen weights were not saved and no target is given
     with pytest.raises(ValueError, match="hidden_size"):
         DSparkDraft.from_target(target, tiny_cfg(hidden_size=32, target_hidden_size=64))
+
+
+def test_batched_proposals_equal_one_block_proposals():
+    torch.manual_seed(0)
+    d = DSparkDraft(tiny_cfg(fc_norm=True))
+    S = 16
+    ids = torch.randint(2, 500, (1, S))
+    taps = torch.randn(1, S, 3 * 64)
+    anchors = torch.tensor([[1, 4, 9, 15]])
+    tok, conf = d.propose_batch(taps, ids, anchors)
+    assert tok.shape == (1, 4, 7) and conf.shape == (1, 4, 7)
+    for n, a in enumerate(anchors[0].tolist()):
+        t1, c1 = d.propose(taps[0, :a], int(ids[0, a]), a)
+        assert tok[0, n].tolist() == t1.tolist()
+        torch.testing.assert_close(conf[0, n], c1, atol=1e-5, rtol=1e-4)
