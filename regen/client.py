@@ -208,6 +208,7 @@ class ChatClient:
         self._session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task | None = None
         self.in_flight = 0
+        self.peak_in_flight = 0
 
     async def __aenter__(self) -> "ChatClient":
         connector = aiohttp.TCPConnector(limit=self.max_in_flight + 8, limit_per_host=0, enable_cleanup_closed=True)
@@ -253,6 +254,8 @@ class ChatClient:
         async with self._sem:
             ep = await self.pool.acquire(self.max_wait_s)
             self.in_flight += 1
+            if self.in_flight > self.peak_in_flight:
+                self.peak_in_flight = self.in_flight
             error_class, retry_after = None, None
             try:
                 return await self._attempt(ep, payload, headers, bool(body.get("stream")))

@@ -321,6 +321,7 @@ class Runner:
                     ticker.cancel()
                     bar.update(self.done_units, self.metrics.snapshot(), 0)
                     self.endpoint_summary = [e.summary() for e in client.pool.endpoints]
+                    self.metrics.peak_in_flight = client.peak_in_flight
         finally:
             await self.ledger.close()
             bar.close()

@@ -34,6 +34,7 @@ class Metrics:
         self.latencies: list[float] = []
         self.ttfts: list[float] = []
         self.per_minute: dict[int, Counter] = defaultdict(Counter)
+        self.peak_in_flight = 0
 
     def _minute(self) -> Counter:
         return self.per_minute[int(time.time() // 60) * 60]
@@ -82,7 +83,7 @@ class Metrics:
             "error_rows_by_class": dict(self.row_errors), "failures_by_class": dict(self.failures),
             "flags": dict(self.flags), "output_tokens": self.output_tokens, "prompt_tokens": self.prompt_tokens,
             "req_per_s": round(self.attempts / dt, 3), "output_tok_per_s": round(self.output_tokens / dt, 1),
-            "latency_s": {"p50": pct(self.latencies, 0.5), "p90": pct(self.latencies, 0.9), "p99": pct(self.latencies, 0.99)},
+            "peak_in_flight": self.peak_in_flight, "latency_s": {"p50": pct(self.latencies, 0.5), "p90": pct(self.latencies, 0.9), "p99": pct(self.latencies, 0.99)},
             "ttft_s": {"p50": pct(self.ttfts, 0.5), "p90": pct(self.ttfts, 0.9)},
         }
 
@@ -96,7 +97,8 @@ def merge_summaries(summaries: list[dict]) -> dict:
     """Sum the counters of several writers' summaries (Ray actors); percentiles kept per writer."""
     if len(summaries) == 1:
         return summaries[0]
-    out: dict = {"writers": summaries, "attempts": 0, "output_tokens": 0, "prompt_tokens": 0}
+    out: dict = {"writers": summaries, "attempts": 0, "output_tokens": 0, "prompt_tokens": 0,
+                 "peak_in_flight": sum(s.get("peak_in_flight", 0) for s in summaries)}
     for key in ("rows", "error_rows_by_class", "failures_by_class", "flags"):
         total = Counter()
         for s in summaries:

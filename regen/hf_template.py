@@ -111,19 +111,20 @@ class HFTemplateRenderer:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     def render(self, messages: list[dict], tools: list[dict] | None = None, *, last_only: bool = False,
-               **template_kwargs) -> Rendered:
+               with_text: bool = True, **template_kwargs) -> Rendered:
         """Render `messages` (+ `tools`) with the chat template; one span per assistant message.
 
         `add_generation_prompt=True` appends the generation prompt after the last message (no span for it).
         `last_only=True` (prefix path): only the last assistant message gets a span and only its prefixes are
         checked, so a template that rewrites earlier turns (e.g. drops their reasoning) still renders a row
         whose history is "as the template renders it" and whose answer is what the target generated last.
+        `with_text=False` (marker path) skips the second template pass that only produces `Rendered.text` ("").
         Raises TemplateNotPrefixStable (prefix path) or InputError (marker path: runs != assistant messages).
         """
         gen_prompt = bool(template_kwargs.pop("add_generation_prompt", False))
         template_kwargs.pop("tokenize", None)
         if self.mask == "markers":
-            return self._render_markers(messages, tools, gen_prompt, template_kwargs)
+            return self._render_markers(messages, tools, gen_prompt, template_kwargs, with_text)
         return self._render_prefix(messages, tools, gen_prompt, template_kwargs, last_only)
 
     # -- helpers ---------------------------------------------------------------------------------------------
@@ -182,7 +183,7 @@ class HFTemplateRenderer:
                 spans.append((start, len(ids)))
         return Rendered(full, ids, spans)
 
-    def _render_markers(self, messages, tools, gen_prompt: bool, kwargs: dict) -> Rendered:
+    def _render_markers(self, messages, tools, gen_prompt: bool, kwargs: dict, with_text: bool = True) -> Rendered:
         out = self.tokenizer.apply_chat_template(
             messages, tools=tools or None, tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
             add_generation_prompt=gen_prompt, **kwargs,
@@ -203,4 +204,4 @@ class HFTemplateRenderer:
                 f"chat template of {self.tokenizer_name}: {{% generation %}} marked {len(spans)} runs for "
                 f"{num_assistant} assistant messages; use render.hf_mask=prefix for this template"
             )
-        return Rendered(self._text(messages, tools, gen_prompt, kwargs), ids, spans)
+        return Rendered(self._text(messages, tools, gen_prompt, kwargs) if with_text else "", ids, spans)

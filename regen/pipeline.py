@@ -60,10 +60,28 @@ def step_generate(generate: GenerateConfig, serve: ServeConfig, run: RunDir, *, 
         return run_generate(generate, run, progress=progress)
     from regen.serve import EmbeddedTarget
 
+    served = generate.model_copy(update={"model": EmbeddedTarget(serve).model})
+    if generation_complete(served, run):  # nothing left to ask: no server start (a rerun of a finished run)
+        return run_generate(served, run, progress=progress)
+
     with EmbeddedTarget(serve, log_path=run.root / "serve" / "server.log") as target:
         log(f"embedded target {target.model} ready at {target.base_url} in {target.ready_s:.0f}s (pid {target.pid})")
         cfg = generate.model_copy(update={"model": target.model, "endpoints": [target.base_url]})
         return run_generate(cfg, run, endpoints=[target.base_url], progress=progress)
+
+
+def generation_complete(generate: GenerateConfig, run: RunDir) -> bool:
+    """True when `run_generate(generate, run)` would return its manifest without sending a request (the same
+    test it makes: a complete manifest with this request config, no journal, balanced accounting)."""
+    from regen.generate import accounting, config_hash, prompt_files
+
+    old = run.manifest(run.generations)
+    if not (old and old.get("complete") and old.get("config_hash") == config_hash(generate)):
+        return False
+    if list(run.generations.glob("journal-*.jsonl")):
+        return False
+    acc = accounting(run.generations, prompt_files(run))
+    return bool(acc["balanced"] and acc["rows"] == old["accounting"]["rows"])
 
 
 def step_filter(render: RenderConfig, run: RunDir, *, progress: bool = True) -> dict:

@@ -248,7 +248,11 @@ def run_train(cfg, run, *, follow: bool = False, stop_after_steps: int | None = 
                                             device=info.device)
     manifest_path = Path(run.shards) / "manifest.json"
     if manifest_path.exists():
-        contract.check(declared_contract(json.loads(manifest_path.read_text())), str(manifest_path))
+        shards_manifest = json.loads(manifest_path.read_text())
+        contract.check(declared_contract(shards_manifest), str(manifest_path))
+        if (shards_manifest.get("contract") or {}).get("test_vocabulary"):
+            raise InputError(f"{manifest_path}: the shards were rendered with the project's test vocabulary, not "
+                             "the target's tokenizer; set render.tokenizer to the target's and re-render")
 
     # -- draft, sharded -------------------------------------------------------------------------------------
     draft = DSparkDraft.from_target(target.model, draft_cfg).to(info.device)
@@ -300,13 +304,15 @@ def run_train(cfg, run, *, follow: bool = False, stop_after_steps: int | None = 
         m = train_step(model, target, opt, mbs, loss_weights=tuple(cfg.loss_weights), grad_clip=cfg.grad_clip)
         sched.step()
         step, steps_here = step + 1, steps_here + 1
-        totals += torch.tensor([m["tokens"], m["target_s"], time.perf_counter() - t0], dtype=torch.float64)
+        step_s = time.perf_counter() - t0
+        totals += torch.tensor([m["tokens"], m["target_s"], step_s], dtype=torch.float64)
         if cfg.log_samples:
             with open(train_dir / f"samples-rank{info.rank}.jsonl", "a", encoding="utf-8") as f:
                 ids = [sid for mb in batch_step.microbatches for sid in mb.sample_ids]
                 f.write(json.dumps({"step": step, "sample_ids": ids}) + "\n")
         if step % cfg.log_every == 0 or step == total_steps or step == 1:
-            rec = {"step": step, "epoch": batch_step.epoch, **reduce_metrics(m), "lr": sched.get_last_lr()[0]}
+            rec = {"step": step, "epoch": batch_step.epoch, **reduce_metrics(m), "lr": sched.get_last_lr()[0],
+                   "step_s": round(step_s, 4), "target_s": round(m["target_s"], 4)}
             history.append(rec)
             if info.is_main:
                 with open(train_dir / "log.jsonl", "a", encoding="utf-8") as f:
@@ -317,15 +323,17 @@ def run_train(cfg, run, *, follow: bool = False, stop_after_steps: int | None = 
                                    keep=cfg.keep_checkpoints)
 
     # -- checkpoint -----------------------------------------------------------------------------------------
+    loop_s = time.perf_counter() - t_start
     if ckpt is None or not ckpt.name.endswith(f"{step:06d}"):
         ckpt = save_checkpoint(train_dir, step, model, opt, sched, feed, training=training_meta,
                                keep=cfg.keep_checkpoints)
     totals = all_reduce_sum(totals)
-    elapsed = time.perf_counter() - t_start
     summary = {
-        "rank": info.rank, "world_size": info.world_size, "steps": step, "total_steps": total_steps,
-        "tokens": int(totals[0]), "tokens_per_s": float(totals[0]) / max(1e-9, elapsed),
-        "target_share": float(totals[1] / totals[2]) if totals[2] > 0 else 0.0, "elapsed_s": elapsed,
+        "rank": info.rank, "world_size": info.world_size, "device": str(info.device), "steps": step,
+        "total_steps": total_steps, "tokens": int(totals[0]), "tokens_per_s": float(totals[0]) / max(1e-9, loop_s),
+        "loop_s": loop_s,
+        "target_share": float(totals[1] / totals[2]) if totals[2] > 0 else 0.0,
+        "elapsed_s": time.perf_counter() - t_start,
         "loss_first": history[0]["loss"] if history else None, "loss_last": history[-1]["loss"] if history else None,
         "tau_probabilistic_last": history[-1]["tau_probabilistic"] if history else None,
         "checkpoint": str(ckpt), "feed": feed.state_dict(), "feed_stats": feed.stats, "seed": seed,
