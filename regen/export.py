@@ -98,7 +98,9 @@ def _conversations(run: RunDir, manifest: dict):
         samples.extend(t.to_pylist())
     wanted = {(s["prompt_id"], s["turn"]) for s in samples}
     found: dict[tuple, dict] = {}
-    for f in sorted(run.generations.glob("part-*.parquet")):
+    from regen.render import generation_files
+
+    for f in generation_files(run):
         for row in pq.read_table(f).to_pylist():
             key = (row.get("prompt_id"), row.get("turn"))
             if key in wanted and row.get("status") == "ok":

@@ -1,6 +1,7 @@
 """`regen render`: generations -> response filters -> rendered, assistant-masked token shards.
 
-Reads `generations/part-*.parquet` (`schemas.generation.GENERATION_SCHEMA`, one row per (prompt_id, turn)).
+Reads the generation parts listed in `generations/manifest.json` (else `generations/part-*.parquet`;
+`schemas.generation.GENERATION_SCHEMA`, one row per (prompt_id, turn)).
 
 1. `filter_responses`: every `ok` row is scored by each response filter of `render.filters`
    (`filters.response`); the first failing one (config order) drops it to `rejected/render/part-filter.parquet`.
@@ -67,7 +68,18 @@ def make_renderer(cfg: RenderConfig):
 # -- inputs ---------------------------------------------------------------------------------------------------
 
 def generation_files(run: RunDir) -> list[Path]:
-    files = sorted(run.generations.glob("part-*.parquet"))
+    """The generation parts, in name order: those listed in `generations/manifest.json` ("parts": [{path}])
+    when it lists them (a reader trusts the manifest), else `part-*.parquet`. Raises InputError when none."""
+    manifest = run.manifest(run.generations) or {}
+    listed = manifest.get("parts") if isinstance(manifest.get("parts"), list) else None
+    if listed:
+        files = sorted(run.generations / p["path"] for p in listed)
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise InputError(f"{run.generations}/manifest.json lists {missing} but they are missing; re-run "
+                             f"`regen generate --run {run.root}`")
+    else:
+        files = sorted(run.generations.glob("part-*.parquet"))
     if not files:
         raise InputError(f"{run.generations}: no part-*.parquet; run `regen generate --run {run.root}` first")
     return files

@@ -354,3 +354,18 @@ def test_over_long_filter_uses_the_server_ids_lengths(tmp_path):
     (rej,) = [r for r in read_rejects(run) if r["prompt_id"] == "long"]
     assert rej["filter"] == "over_long" and rej["reason"] == "prompt + completion is 70 tokens by the server's count (max 64)"
     assert m["filters"]["dropped"] == {"over_long": 1}
+
+
+def test_generation_parts_come_from_the_generate_manifest(tmp_path):
+    from schemas.io import write_json_atomic
+
+    write_generations(tmp_path, good_rows()[:2], parts=2)
+    run = RunDir.at(tmp_path)
+    write_json_atomic({"stage": "generate", "parts": [{"path": "part-00001.parquet"}]}, run.generations / "manifest.json")
+    m = run_render(k3_cfg(), run, progress=False)
+    assert m["input"]["files"] == ["part-00001.parquet"] and m["num_rows"] == 1
+    write_json_atomic({"stage": "generate", "parts": [{"path": "part-00009.parquet"}]}, run.generations / "manifest.json")
+    from regen.errors import InputError
+
+    with pytest.raises(InputError, match="part-00009.parquet"):
+        run_render(k3_cfg(), run, progress=False)
