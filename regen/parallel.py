@@ -67,21 +67,28 @@ def destroy_distributed() -> None:
 
 
 def shard_model(model: nn.Module, info: DistInfo, *, blocks=None, param_dtype: torch.dtype | None = None,
-                reduce_dtype: torch.dtype | None = torch.float32, reshard_after_forward: bool = True) -> nn.Module:
+                reduce_dtype: torch.dtype | None = torch.float32, reshard_after_forward: bool = True,
+                replicate_frozen: bool = True) -> nn.Module:
     """Apply FSDP2 `fully_shard` to each block (`blocks`, default `model.layers`), then to `model` (in place).
 
     `param_dtype` (e.g. bf16) is the compute dtype of unsharded parameters; sharded master weights keep their
     dtype (fp32), and gradients are reduced in `reduce_dtype`. Gradients are averaged over ranks: losses are
     normalised by the global denominator times world size (spec §5) to cancel that average.
+    Frozen parameters (the draft's embed_tokens/lm_head, copies of the target's) are left out of FSDP when
+    `replicate_frozen`: every rank holds them whole and nothing gathers them each step (for the 262K x 640
+    Gemma vocabulary that copy was most of a CPU step).
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(info.device.type, (info.world_size,))
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    frozen = {p for p in model.parameters() if not p.requires_grad} if replicate_frozen else set()
     for block in (model.layers if blocks is None else blocks):
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
+                    ignored_params={p for p in block.parameters() if p in frozen} or None)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
+                ignored_params=frozen or None)
     return model
 
 

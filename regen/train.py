@@ -127,6 +127,20 @@ def make_objective(draft):
     return Objective(draft)
 
 
+def share_frozen_with_target(draft, target_model, dtype) -> None:
+    """Point the draft's frozen embed_tokens/lm_head at the target's tensors when they match in shape, dtype and
+    device (one copy in memory instead of two: 2 x 262K x 640 floats for Gemma); else cast them to `dtype`."""
+    import torch
+
+    for mine, theirs in ((draft.embed_tokens, target_model.get_input_embeddings()),
+                         (draft.lm_head, target_model.get_output_embeddings())):
+        w = theirs.weight
+        if w.shape == mine.weight.shape and w.dtype == dtype and w.device == mine.weight.device:
+            mine.weight = w if not w.requires_grad else torch.nn.Parameter(w.detach(), requires_grad=False)
+        else:
+            mine.to(dtype)
+
+
 def prepare_microbatch(mb, seed: int, draft_cfg, device):
     """(batch dict on `device`, anchors int64[B, N], keep bool[B, N]) for a feed MicroBatch.
 
@@ -257,6 +271,7 @@ def run_train(cfg, run, *, follow: bool = False, stop_after_steps: int | None = 
     # -- draft, sharded -------------------------------------------------------------------------------------
     draft = DSparkDraft.from_target(target.model, draft_cfg).to(info.device)
     compute_dtype = _dtype(cfg.dtype, info.device)
+    share_frozen_with_target(draft, target.model, compute_dtype)
     model = shard_model(make_objective(draft), info, blocks=draft.layers,
                         param_dtype=None if compute_dtype == torch.float32 else compute_dtype)
 
