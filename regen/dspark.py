@@ -616,3 +616,22 @@ def load_draft(draft_dir: str | Path, target_model=None, map_location="cpu") -> 
     if missing or unexpected:
         raise ValueError(f"{d / WEIGHTS_NAME}: missing weights {missing[:8]}, unexpected {unexpected[:8]}")
     return draft
+
+
+def k3_param_report(**overrides) -> dict:
+    """Parameter counts of the full-size Kimi-K3 MLA draft built on the meta device (nothing allocated).
+
+    Default = the Inferact layout (prefix stream, no fc_norm, taps [2,23,47,71,89]): 68 serving tensors and
+    3,562,312,961 parameters without `embed_tokens` (spec §2: "68 tensors, 3.56B"); `total` adds the
+    1,174,405,120-parameter frozen embedding. The TorchSpec layout (`fc_norm=True`) adds 5 × 7168.
+    """
+    base = dict(fc_norm=False, aux_hidden_stream="prefix", target_layer_ids=(2, 23, 47, 71, 89))
+    base.update(overrides)
+    cfg = kimi_k3_config(**base)
+    counts = count_parameters(build_meta(cfg))
+    counts["num_serving_tensors"] = counts["num_tensors"] - 1  # embed_tokens is skipped at serving
+    return {"config": cfg.to_dict(), "params": counts}
+
+
+if __name__ == "__main__":  # python -m regen.dspark: the K3 draft's size, without allocating it
+    print(json.dumps(k3_param_report()["params"], indent=2))

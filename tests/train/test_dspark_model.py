@@ -56,6 +56,10 @@ def test_full_size_k3_draft_on_meta_device():
     assert c["serving_without_embed"] == 3_562_312_961
     assert c["embed_tokens"] == c["lm_head"] == 163840 * 7168
     assert c["markov_head"] == 2 * 163840 * 256 and c["confidence_head"] == 7168 + 256 + 1
+    from regen.dspark import k3_param_report
+
+    rep = k3_param_report()["params"]
+    assert rep["num_serving_tensors"] == 68 and rep["serving_without_embed"] == 3_562_312_961
     # TorchSpec layout adds fc_norm: 5 x 7168 more
     c2 = count_parameters(build_meta(kimi_k3_config()))
     assert c2["total"] - c["total"] == 5 * 7168

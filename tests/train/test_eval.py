@@ -97,6 +97,12 @@ def test_regen_eval_end_to_end_on_a_tiny_target(tmp_path, tiny_target_dir, shard
         assert s["num_rounds"] > 0 and 1.0 <= s["acc_len"] <= 5.0
         assert set(s["per_category"]) == {"math"} and set(s["accept_rate"]) == {"0", "1", "2", "3"}
     assert out["trained"]["acc_len"] == saved["trained"]["acc_len"]
+    from regen.cli import main
+
+    rc = main(["eval", "--run", str(run.root), "--draft", str(tmp_path / "ckpt"), "--num-prompts", "1",
+               "--max-new-tokens", "4", "--set", f"train.target={tiny_target_dir}",
+               "--set", "train.heldout_fraction=1.0", "--set", "train.target_layer_ids=[0, 2]"])
+    assert rc == 0 and json.loads((run.root / "eval.json").read_text())["num_prompts"] == 1
     from regen.target import ContractError
 
     with pytest.raises(ContractError, match="target_layer_ids"):
