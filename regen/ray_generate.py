@@ -27,9 +27,13 @@ LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABL
 def init_ray(address: str, num_cpus: int | None = None) -> None:
     """Connect to (or start, on loopback) a Ray cluster; see module doc for the address forms."""
     for k, v in LOOPBACK_ENV.items():
-        os.environ.setdefault(k, v)
+        os.environ[k] = v  # inherited by the Ray processes started here
     import ray
+    from ray._private import ray_constants
 
+    # The variable is read when ray is imported; a process that imported ray before (a test session) needs
+    # the constant itself set, or the node binds every interface.
+    ray_constants.ENABLE_RAY_CLUSTER = False
     if address not in ("auto", "local"):
         ray.init(address=address, log_to_driver=False)
         return

@@ -21,7 +21,21 @@ def rows(run: RunDir) -> dict:
     return out
 
 
-def test_ray_actors_give_the_same_result_as_local(server, tmp_path):
+def test_ray_actors_give_the_same_result_as_local(server, tmp_path, monkeypatch):
+    import psutil
+
+    from regen import ray_generate
+
+    listeners = []
+    original = ray_generate.init_ray
+
+    def init_and_look(address, num_cpus=None):
+        original(address, num_cpus)
+        ours = {p.pid for p in psutil.Process().children(recursive=True)}
+        listeners.extend(c.laddr.ip for c in psutil.net_connections(kind="inet")
+                         if c.status == psutil.CONN_LISTEN and c.pid in ours)
+
+    monkeypatch.setattr(ray_generate, "init_ray", init_and_look)
     convs = conversations(40)
     local, on_ray = RunDir.at(tmp_path / "local"), RunDir.at(tmp_path / "ray")
     write_prompts(local, convs)
@@ -32,6 +46,7 @@ def test_ray_actors_give_the_same_result_as_local(server, tmp_path):
     assert rows(on_ray) == rows(local)
     writers = {e["writer"] for e in m["parts"]}
     assert writers == {"r0", "r1"}  # each actor wrote its own parts
+    assert listeners and set(listeners) <= {"127.0.0.1", "::1", "::ffff:127.0.0.1"}, listeners  # loopback only
     import ray
 
     assert not ray.is_initialized()
