@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -532,7 +532,7 @@ class DSparkDraft(nn.Module):
             else:
                 x = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator)[0]
             c = self.confidence_logits(h[k], prev)
-            conf.append(torch.sigmoid(c) if c is not None else torch.tensor(1.0))
+            conf.append(torch.sigmoid(c) if c is not None else torch.ones((), device=dev))
             tokens.append(x)
             prev = x
         return torch.stack(tokens), torch.stack(conf).float()

@@ -12,7 +12,7 @@ EOS = 0
 
 
 def test_worked_example_of_spec_section_7():
-    D, E, F, G, X = 10, 11, 12, 13, 99
+    E, F, G, X = 11, 12, 13, 99  # prefill token D = 10 is not counted
     r1 = score_round([E, F, X, 1, 2, 3, 4], [E, F, G, 5, 6, 7, 8, 9], [EOS])  # 2 accepted, bonus G
     r2 = score_round([1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8], [EOS])  # all 7, bonus = 8th argmax
     r3 = score_round([EOS, 5, 5, 5, 5, 5, 5], [EOS], [EOS])  # stop accepted at j = 1: no bonus
@@ -24,7 +24,6 @@ def test_worked_example_of_spec_section_7():
     assert s["accept_rate"]["0"] == pytest.approx(3 / 3)
     assert s["accept_rate"]["2"] == pytest.approx(1 / 2)
     assert s["num_rounds"] == 3 and s["accepted_draft_tokens"] == 10
-    del D
 
 
 def test_stop_bonus_ends_generation_with_the_bonus_counted():
