@@ -21,7 +21,7 @@ error.code); vLLM's `return_token_ids` (top-level `prompt_token_ids`, `choices[]
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 TRANSIENT = ("rate_limited", "server_error", "timeout", "connection", "malformed")
 PERMANENT = ("bad_request", "context_overflow")
@@ -96,8 +96,7 @@ class Completion:
     latency_s: float = 0.0
     ttft_s: float | None = None
     endpoint: str = ""
-    num_chunks: int = 0
-    extra: dict = field(default_factory=dict)
+    num_chunks: int = 0  # SSE events with a JSON payload (streamed responses)
 
     @property
     def num_completion_tokens(self) -> int | None:

@@ -13,6 +13,7 @@ HTTP status. Retrying is the caller's job (`regen.generate`), with `backoff_dela
   start) until it passes `max_in_flight` and is removed. A storm of 429s drains instead of being hammered.
 * No endpoint available: an attempt waits while some endpoint is healthy (cooling down or at its limit);
   when none is healthy for `max_wait_s`, it fails as `connection` (and is retried by the caller).
+* Each attempt carries the header `X-Regen-Request-Key: <request key>` so server logs can be joined with rows.
 * Timeouts (seconds): connect; first byte (sending -> first body chunk); between stream chunks (the
   first-byte deadline is moved forward at most once a second, so the cost per chunk stays flat); total.
 

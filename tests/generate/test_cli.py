@@ -26,7 +26,10 @@ def test_finished_run_is_not_requested_again_and_a_changed_config_is_refused(ser
         run_generate(fast_config(temperature=0.1), run_dir, endpoints=[server.base_url], progress=False)
     manifest = json.loads((run_dir.generations / "manifest.json").read_text())
     assert manifest["complete"] and manifest["metrics"]["attempts"] == sent
-    assert (run_dir.generations / "throughput.parquet").exists()
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(run_dir.generations / "throughput.parquet").to_pylist()
+    assert sum(r["requests"] for r in table) == sent and sum(r["ok"] for r in table) == first["accounting"]["generated"]
 
 
 def test_missing_prompts_is_a_clear_error(run_dir):
