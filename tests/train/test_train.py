@@ -107,3 +107,27 @@ def test_follow_needs_a_step_budget(tiny_run):
     profile, run_dir = tiny_run
     with pytest.raises(InputError, match="max_steps"):
         run_train(train_cfg(profile, max_steps=0), RunDir.at(run_dir), follow=True)
+
+
+def test_cli_reports_a_missing_target_without_a_traceback(tiny_run, capsys):
+    from regen.cli import main
+
+    profile, run_dir = tiny_run
+    rc = main(["train", "--profile", str(profile), "--run", str(run_dir), "--set", "train.target=/nonexistent/model"])
+    assert rc == 2
+    assert "train.target" in capsys.readouterr().err
+
+
+def test_kimi_k3_profile_builds_the_full_size_draft_on_meta():
+    from types import SimpleNamespace
+
+    from regen.dspark import build_meta, count_parameters
+    from regen.train import build_draft_config
+
+    cfg = load_profile("kimi-k3").train
+    k3 = SimpleNamespace(hidden_size=7168, num_hidden_layers=93, vocab_size=163840, model_type="kimi_k3")
+    dcfg = build_draft_config(cfg, k3)
+    assert dcfg.target_layer_ids == (7, 31, 47, 63, 87) and dcfg.fc_norm and dcfg.aux_hidden_stream == "attn_res"
+    assert dcfg.num_hidden_layers == 5 and dcfg.mask_token_id == 163837 and dcfg.markov_rank == 256
+    counts = count_parameters(build_meta(dcfg))
+    assert abs(counts["serving_without_embed"] - 3.56e9) < 0.01e9  # the 3.56B of the K3 MLA checkpoint (spec §2)
