@@ -171,9 +171,14 @@ def greedy_reference(target, prompt_ids: list[int], num_tokens: int, stop_ids) -
     return seq, argmax[: len(seq)], taps[0]
 
 
-def proposal_table(draft, taps_SX, sequence: list[int], first: int, chunk: int = 128) -> list[list[int]]:
+def proposal_table(draft, taps_SX, sequence: list[int], first: int, chunk: int = 128,
+                   confidence_threshold: float = 0.0) -> list[list[int]]:
     """The draft's greedy block at every anchor position first…len(sequence)−1 (`DSparkDraft.propose_batch`,
-    equal to one `propose` per round): list of K-token lists, index = anchor − first."""
+    equal to one `propose` per round): list of token lists, index = anchor − first.
+
+    With `confidence_threshold` > 0 a block is cut before the first slot with c_k < threshold (DS static
+    threshold, spec §4; a round may then propose nothing and commit one target token); 0 proposes the full
+    block (DS default)."""
     import torch
 
     dev = next(draft.parameters()).device
@@ -182,12 +187,15 @@ def proposal_table(draft, taps_SX, sequence: list[int], first: int, chunk: int =
     out: list[list[int]] = []
     for start in range(first, len(sequence), chunk):
         anchors = torch.arange(start, min(start + chunk, len(sequence)), device=dev)[None]
-        out.extend(draft.propose_batch(taps, ids, anchors)[0][0].tolist())
+        tokens, conf = draft.propose_batch(taps, ids, anchors)
+        for toks, cs in zip(tokens[0].tolist(), conf[0].tolist()):
+            cut = next((k for k, c in enumerate(cs) if c < confidence_threshold), len(toks))
+            out.append(toks[:cut])
     return out
 
 
 def evaluate(target, drafts: dict, prompts: list[dict], *, max_new_tokens: int, stop_ids, block_size: int,
-             progress: bool = False) -> dict:
+             confidence_threshold: float = 0.0, progress: bool = False) -> dict:
     """acc_len of each draft in `drafts` ({name: DSparkDraft}) over `prompts` (see `heldout_prompts`).
 
     Returns {name: {acc_len, num_rounds, accept_rate, per_category: {cat: {acc_len, num_rounds, ...}}}}.
@@ -197,7 +205,7 @@ def evaluate(target, drafts: dict, prompts: list[dict], *, max_new_tokens: int, 
         seq, argmax, taps = greedy_reference(target, p["prompt_ids"], max_new_tokens + block_size + 1, stop_ids)
         P = len(p["prompt_ids"])
         for name, draft in drafts.items():
-            table = proposal_table(draft, taps, seq, P)
+            table = proposal_table(draft, taps, seq, P, confidence_threshold=confidence_threshold)
 
             def propose(pos, table=table, P=P):
                 return table[pos - P]
@@ -216,7 +224,7 @@ def evaluate(target, drafts: dict, prompts: list[dict], *, max_new_tokens: int, 
 
 
 def run_eval(cfg, run, *, draft_dir, seed: int | None = None, num_prompts: int = 32, max_new_tokens: int = 64,
-             progress: bool = True) -> dict:
+             confidence_threshold: float = 0.0, progress: bool = True) -> dict:
     """Measure the trained draft in `draft_dir` and an untrained draft of the same config (seeded) on the run's
     held-out prompts; write `<run>/eval.json` atomically and return it.
 
@@ -257,11 +265,13 @@ def run_eval(cfg, run, *, draft_dir, seed: int | None = None, num_prompts: int =
         raise InputError(f"no held-out prompts in {run.shards} at heldout_fraction={fraction}: raise "
                          "train.heldout_fraction (and retrain) or add prompts")
     res = evaluate(target, {"trained": trained, "untrained": untrained}, prompts, max_new_tokens=max_new_tokens,
-                   stop_ids=stop, block_size=dcfg.block_size, progress=progress)
+                   stop_ids=stop, block_size=dcfg.block_size, confidence_threshold=confidence_threshold,
+                   progress=progress)
     target.close()
     out = {**res, "num_prompts": len(prompts), "seed": seed, "draft": str(ddir), "target": str(cfg.target),
            "heldout_fraction": fraction, "max_new_tokens": max_new_tokens, "block_size": dcfg.block_size,
            "markov_rank": dcfg.markov_rank, "stop_token_ids": stop, "temperature": 0.0,
+           "confidence_threshold": confidence_threshold,
            "protocol": "greedy verification, bonus token counted, first (prefill) token not counted (spec §7)",
            "elapsed_s": round(time.perf_counter() - t0, 2)}
     write_json_atomic(out, run.root / "eval.json")
@@ -276,6 +286,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--num-prompts", type=int, default=32, help="held-out prompts to evaluate (default 32)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="generated tokens per prompt (default 64)")
     parser.add_argument("--seed", type=int, default=None, help="seed of the untrained draft (default: profile)")
+    parser.add_argument("--confidence-threshold", type=float, default=0.0,
+                        help="cut each block before the first slot with confidence < this (default 0: full block)")
 
 
 def main(args) -> int:
@@ -290,7 +302,7 @@ def main(args) -> int:
     seed = args.seed if args.seed is not None else (profile.train.seed if profile.train.seed is not None
                                                     else profile.seed)
     out = run_eval(profile.train, run, draft_dir=args.draft, seed=seed, num_prompts=args.num_prompts,
-                   max_new_tokens=args.max_new_tokens)
+                   max_new_tokens=args.max_new_tokens, confidence_threshold=args.confidence_threshold)
     brief = {k: {"acc_len": out[k]["acc_len"], "num_rounds": out[k]["num_rounds"]} for k in ("trained", "untrained")}
     print(json.dumps({**brief, "num_prompts": out["num_prompts"], "seed": out["seed"],
                       "eval_json": str(run.root / "eval.json")}, indent=2))

@@ -121,3 +121,22 @@ def test_oracle_draft_on_a_real_target_reaches_full_blocks(tiny_target_dir):
     rounds = replay_rounds(lambda pos: argmax[pos: pos + K], seq, argmax, 4, max_new_tokens=20, block_size=K,
                            stop_ids=[1])
     assert rounds and all(r.tau == K + 1 for r in rounds if not r.stopped)
+
+
+def test_confidence_threshold_cuts_blocks():
+    from test_dspark_model import tiny_cfg
+
+    from regen.dspark import DSparkDraft
+    from regen.eval import proposal_table
+
+    d = DSparkDraft(tiny_cfg(block_size=4))
+    with torch.no_grad():
+        d.confidence_head.proj.weight.zero_()
+        d.confidence_head.proj.bias.fill_(torch.logit(torch.tensor(0.3)).item())
+    seq = list(range(10, 30))
+    taps = torch.randn(len(seq), 3 * 64)
+    assert [len(b) for b in proposal_table(d, taps, seq, 5)] == [4] * 15
+    assert [len(b) for b in proposal_table(d, taps, seq, 5, confidence_threshold=0.2)] == [4] * 15
+    assert proposal_table(d, taps, seq, 5, confidence_threshold=0.5) == [[]] * 15
+    r = score_round([], [7], [0])
+    assert r == Round(accepted=0, tau=1, proposed=0, stopped=False)
