@@ -96,13 +96,16 @@ def seeded_keys(prompt_ids: list[str], seed: int) -> np.ndarray:
     )
 
 
-def select_rows(pool: pa.Table, cfg: SelectConfig, seed: int) -> tuple[np.ndarray, dict]:
-    """Indices of `pool` rows to select (ordered by seeded key) and the mix report (see module docstring)."""
+def select_rows(pool: pa.Table, cfg: SelectConfig, seed: int, keep: np.ndarray | None = None) -> tuple[np.ndarray, dict]:
+    """Indices of `pool` rows to select (ordered by seeded key) and the mix report (see module docstring).
+
+    `keep` (bool[pool.num_rows]) marks the rows still in the pool after near dedup (default: all).
+    """
     n = pool.num_rows
     keys = seeded_keys(pool.column("prompt_id").to_pylist(), seed)
     order = np.argsort(keys, kind="stable")
     cats = np.asarray(pool.column("category").to_pylist(), dtype=object)
-    eligible = np.ones(n, dtype=bool)
+    eligible = np.ones(n, dtype=bool) if keep is None else keep.copy()
     capped = Counter()
     for column, caps in (("source", cfg.max_per_source), ("language", cfg.max_per_language)):
         if not caps:
@@ -306,15 +309,17 @@ def run_select(cfg: SelectConfig, run: RunDir, *, seed: int, extra_sources: list
                     bar.update(task, rows=num_rows, description=Path(sfile).name)
             bar.update(task, advance=max(size - done, 0))
         pool = pa.concat_tables(tables) if tables else PROMPT_SCHEMA.empty_table()
+        del tables
+        keep = np.ones(pool.num_rows, dtype=bool)
         if near is not None and pool.num_rows > 1:
             bar.update(task, description="near dedup")
-            pool = _near_dedup(pool, np.concatenate(sigs), near, rejects, acct, drops)
+            keep = _near_dedup(pool, _stack(sigs, cfg.num_perm), near, rejects, acct, drops)
         sigs.clear()
         bar.update(task, description="selecting")
-        chosen, report = select_rows(pool, cfg, seed)
+        chosen, report = select_rows(pool, cfg, seed, keep)
     selected = pool.take(pa.array(chosen, type=pa.int64())) if len(chosen) else PROMPT_SCHEMA.empty_table()
     sel_files = Counter(selected.column("source_file").to_pylist())
-    pool_files = Counter(pool.column("source_file").to_pylist())
+    pool_files = Counter(pool.filter(pa.array(keep)).column("source_file").to_pylist())
     for f, a in acct.items():
         a["selected"] = sel_files.get(f, 0)
         a["not_selected"] = pool_files.get(f, 0) - a["selected"]
@@ -323,7 +328,7 @@ def run_select(cfg: SelectConfig, run: RunDir, *, seed: int, extra_sources: list
     for k, s in enumerate(range(0, max(selected.num_rows, 1), cfg.rows_per_part)):
         parts.append(write_parquet_atomic(selected.slice(s, cfg.rows_per_part), run.prompts / f"part-{k:05d}.parquet",
                                           PROMPT_SCHEMA))
-    manifest = _manifest(cfg, seed, extra, chash, selected, report, drops, acct, parts, rejects.parts, pool.num_rows)
+    manifest = _manifest(cfg, seed, extra, chash, selected, report, drops, acct, parts, rejects.parts, int(keep.sum()))
     manifest["elapsed_s"] = round(time.time() - t0, 3)
     run.write_manifest(run.prompts, manifest)
     return manifest
@@ -359,19 +364,32 @@ def _to_table(drafts) -> pa.Table:
     return pa.Table.from_pylist(rows, schema=PROMPT_SCHEMA)
 
 
-def _near_dedup(pool: pa.Table, sig: np.ndarray, near, rejects: RejectWriter, acct: dict, drops: Counter) -> pa.Table:
+def _stack(parts: list[np.ndarray], k: int) -> np.ndarray:
+    """Concatenate per-batch signatures, freeing each batch as it is copied (peak ~1x, not 2x)."""
+    out = np.empty((sum(len(p) for p in parts), k), dtype=np.uint32)
+    at = 0
+    for i, p in enumerate(parts):
+        out[at : at + len(p)] = p
+        at += len(p)
+        parts[i] = None
+    return out
+
+
+def _near_dedup(pool: pa.Table, sig: np.ndarray, near, rejects: RejectWriter, acct: dict, drops: Counter) -> np.ndarray:
+    """Reject near duplicates (see `filters.dedup.near_duplicates`); returns the keep mask over `pool`."""
     dup, match, jac = near_duplicates(sig, near.threshold)
+    del sig
+    mask = np.ones(pool.num_rows, dtype=bool)
     if not len(dup):
-        return pool
+        return mask
     ids = pool.column("prompt_id").to_pylist()
     near.matches = {ids[i]: (ids[j], float(s)) for i, j, s in zip(dup.tolist(), match.tolist(), jac.tolist())}
     cols = pool.select(["prompt_id", "source", "source_file", "source_row", "category", "messages"])
     for s in range(0, len(dup), 10_000):
         for row in cols.take(pa.array(dup[s : s + 10_000], type=pa.int64())).to_pylist():
             _near_reject(row, near, rejects, acct, drops)
-    mask = np.ones(pool.num_rows, dtype=bool)
     mask[dup] = False
-    return pool.filter(pa.array(mask))
+    return mask
 
 
 def _near_reject(row: dict, near, rejects: RejectWriter, acct: dict, drops: Counter) -> None:
