@@ -147,6 +147,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="20K rows -> 3K prompts")
     ap.add_argument("--rows", type=int, default=None)
     ap.add_argument("--total", type=int, default=None)
+    ap.add_argument("--pool", metavar="PATH", help="keep the pool at PATH (built there when missing) for reruns")
     ap.add_argument("--build", metavar="PATH", help=argparse.SUPPRESS)
     args = ap.parse_args()
     rows = args.rows or (20_000 if args.quick else 1_000_000)
@@ -162,10 +163,13 @@ def main() -> int:
     from regen.select import run_select
 
     with tempfile.TemporaryDirectory(prefix="bench-select-") as tmp:
-        pool = Path(tmp) / "pool.parquet"
+        pool = Path(args.pool) if args.pool else Path(tmp) / "pool.parquet"
         t = time.time()
-        subprocess.run([sys.executable, __file__, "--build", str(pool), "--rows", str(rows)], check=True)
-        print(f"pool: {rows:,} rows, {pool.stat().st_size / 2**20:.1f} MiB parquet, built in {time.time() - t:.1f} s")
+        if not pool.exists():
+            subprocess.run([sys.executable, __file__, "--build", str(pool), "--rows", str(rows)], check=True)
+            print(f"pool: built in {time.time() - t:.1f} s")
+        rows = pq.ParquetFile(pool).metadata.num_rows
+        print(f"pool: {rows:,} rows, {pool.stat().st_size / 2**20:.1f} MiB parquet")
         t = time.time()
         table = pq.read_table(pool)
         base_s = time.time() - t
