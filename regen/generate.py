@@ -91,19 +91,27 @@ def prompt_files(run: RunDir) -> list[Path]:
 
 
 def in_shard(prompt_id: str, shard: tuple[int, int]) -> bool:
+    """Shard `(index, count)` owns the prompt ids whose sha1 (first 8 hex digits) is index mod count."""
     index, count = shard
-    return count <= 1 or int(prompt_id[:8], 16) % count == index
+    return count <= 1 or int(hashlib.sha1(prompt_id.encode()).hexdigest()[:8], 16) % count == index
 
 
 def iter_prompts(files: list[Path], shard: tuple[int, int] = (0, 1)):
-    """Prompt rows of this shard as dicts: prompt_id, messages (OpenAI dicts), tools (JSON), category, language."""
+    """Prompt rows of this shard as dicts: prompt_id, messages (OpenAI dicts), tools (JSON), category, language.
+
+    A prompt_id seen before (the same prompt in two parts) is skipped: units are counted once.
+    """
+    seen: set[str] = set()
     for f in files:
         pf = pq.ParquetFile(f)
         for batch in pf.iter_batches(batch_size=1024, columns=PROMPT_COLUMNS):
             for row in batch.to_pylist():
-                if in_shard(row["prompt_id"], shard):
-                    row["messages"] = [message_from_arrow(m) for m in row["messages"]]
-                    yield row
+                pid = row["prompt_id"]
+                if pid in seen or not in_shard(pid, shard):
+                    continue
+                seen.add(pid)
+                row["messages"] = [message_from_arrow(m) for m in row["messages"]]
+                yield row
 
 
 # ---------------------------------------------------------------- the runner
