@@ -1,6 +1,6 @@
 """`regen generate`: regenerate every prompt with the target over OpenAI-compatible HTTP into generations/.
 
-    regen generate --profile P --run DIR [--endpoint URL ...] [--max-in-flight N] [--ray ADDRESS|auto]
+    regen generate --profile P --run DIR [--endpoint URL ...] [--max-in-flight N] [--ray ADDRESS|auto|local]
 
 Reads `prompts/part-*.parquet`, writes `generations/` (see `regen.ledger` for the layout and the exactly-once
 rules): one GENERATION_SCHEMA row per (prompt_id, turn) unit (`regen.conversation` defines units, history and
@@ -443,7 +443,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--endpoint", action="append", default=None, metavar="URL",
                         help="OpenAI-compatible base URL ending in /v1 (repeatable; overrides generate.endpoints)")
     parser.add_argument("--max-in-flight", type=int, default=None, help="requests in flight (generate.max_in_flight)")
-    parser.add_argument("--ray", default=None, metavar="ADDRESS|auto", help="split the work across Ray actors")
+    parser.add_argument("--ray", default=None, metavar="ADDRESS|auto|local",
+                        help="split the work across Ray actors (auto: the running cluster, else a loopback one)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 

@@ -1,8 +1,8 @@
 """`regen generate --ray ADDRESS|auto|local`: the same run split across Ray actors.
 
 Actor i of n takes the prompts with `regen.generate.in_shard(prompt_id, (i, n))` (a hash of the id), runs
-its own `regen.generate.Runner` (one async client per actor, on its own node with SPREAD scheduling) and writes its own parts and journal
-as writer `r<i>` under the exactly-once rules of `regen.ledger`. The generations directory must be on storage
+its own `regen.generate.Runner` (one async client per actor, on its own node with SPREAD scheduling) and
+writes its own parts and journal as writer `r<i>` under the exactly-once rules of `regen.ledger`. The generations directory must be on storage
 every node sees (a shared filesystem). The driver merges the actors' metrics and writes the manifest.
 
 Addresses: `auto` connects to the running cluster (RAY_ADDRESS or a local head), starting a loopback-only
