@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import os
 import re
@@ -403,6 +404,25 @@ def run_generate(cfg: GenerateConfig, run: RunDir, *, endpoints: list[str] | Non
             return old
     urls = resolve_endpoints(cfg, endpoints)
     api_key = api_key_from_env(cfg)
+    with _run_lock(gen_dir):
+        return _generate_locked(cfg, run, files, urls, api_key, chash, stamp, old, ray_address, progress)
+
+
+@contextlib.contextmanager
+def _run_lock(gen_dir: Path):
+    """One `regen generate` per run directory at a time (flock; released by the kernel even on kill -9)."""
+    import fcntl
+
+    with open(gen_dir / ".lock", "w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise InputError(f"another `regen generate` is writing {gen_dir}: wait for it or stop it first") from None
+        yield
+
+
+def _generate_locked(cfg, run, files, urls, api_key, chash, stamp, old, ray_address, progress) -> dict:
+    gen_dir = run.generations
     if not stamp:
         write_json_atomic({"config_hash": chash, "request_config": request_config(cfg)}, gen_dir / "request_config.json")
     repaired = ledger_mod.recover(gen_dir)

@@ -67,3 +67,15 @@ def test_server_module_and_cli_with_a_kimi_style_body(tmp_path, repo_root):
     for path in [log_file, *run.root.rglob("*")]:
         if path.is_file():
             assert b"sk-kimi-test-key-123" not in path.read_bytes()
+
+
+def test_a_second_concurrent_run_on_the_same_directory_is_refused(server, run_dir):
+    import fcntl
+
+    write_prompts(run_dir, conversations(2))
+    run_dir.generations.mkdir(parents=True, exist_ok=True)
+    with open(run_dir.generations / ".lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(InputError, match="another `regen generate`"):
+            run_generate(fast_config(), run_dir, endpoints=[server.base_url], progress=False)
+    assert run_generate(fast_config(), run_dir, endpoints=[server.base_url], progress=False)["complete"]
