@@ -9,7 +9,8 @@ peak RSS (ru_maxrss) are its own. Clients, at the same concurrency:
 
   regen      `regen.generate.run_generate` on N single-turn prompts: durability on (journal fsync per
              group, Parquet parts, manifest, accounting)
-  transport  `regen.client.ChatClient.complete` alone (no storage): the transport's own cost
+  transport  `regen.client.ChatClient.complete` alone (no storage): the transport's own cost (aiohttp)
+  httpx      raw `httpx.AsyncClient` + aiter_lines + orjson, no storage: the other HTTP stack, measured to choose
   baseline   `openai.AsyncOpenAI` + `asyncio.Semaphore`, results kept in a list and written as JSONL at the end
 
 Printed per client and mode (stream / non-stream): requests/s, output tokens ingested per second per client
@@ -118,6 +119,34 @@ def client_main(args) -> None:
         asyncio.run(go())
         wall = time.perf_counter() - t0
         cpu1, rss = _usage()
+    elif args.client == "httpx":
+        import httpx
+        import orjson
+
+        async def go():
+            nonlocal tokens
+            limits = httpx.Limits(max_connections=c, max_keepalive_connections=c)
+            async with httpx.AsyncClient(limits=limits, timeout=3600.0) as client:
+                async def one(i):
+                    body = {"model": "fake", "messages": messages(i), "max_tokens": 4096, "stream": stream}
+                    if not stream:
+                        r = await client.post(url + "/chat/completions", json=body)
+                        return orjson.loads(r.content)["usage"]["completion_tokens"]
+                    n_tok = 0
+                    async with client.stream("POST", url + "/chat/completions", json=body) as r:
+                        async for line in r.aiter_lines():
+                            if line.startswith("data:") and line[5:].strip() != "[DONE]":
+                                ch = orjson.loads(line[5:])["choices"]
+                                n_tok += bool(ch and ch[0]["delta"].get("content"))
+                    return n_tok
+
+                tokens = sum(await asyncio.gather(*[one(i) for i in range(n)]))
+
+        cpu0, _ = _usage()
+        t0 = time.perf_counter()
+        asyncio.run(go())
+        wall = time.perf_counter() - t0
+        cpu1, rss = _usage()
     else:
         from openai import AsyncOpenAI
 
@@ -197,7 +226,7 @@ def main() -> int:
     try:
         print(f"server {url}: {tokens} tokens per answer, answers at once; {n} requests, {c} in flight")
         for mode in ("stream", "whole"):
-            for client in ("baseline", "transport", "regen"):
+            for client in ("baseline", "httpx", "transport", "regen"):
                 r = results[(client, mode)] = measure(client, mode, url, n, c)
                 print(fmt(r), flush=True)
     finally:
