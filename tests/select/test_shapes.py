@@ -127,3 +127,19 @@ def test_openai_messages_with_typed_parts():
     assert msgs[2]["reasoning_content"] == "think" and msgs[2]["tool_calls"][0]["function"]["name"] == "w"
     assert msgs[3]["tool_call_id"] == msgs[2]["tool_calls"][0]["id"]
     assert tools[0]["function"]["name"] == "w"
+
+
+def test_dataset_dict_splits_are_source_files(tmp_path):
+    import datasets
+
+    dd = datasets.DatasetDict({
+        "train": datasets.Dataset.from_list([{"conversations": [{"from": "human", "value": f"Tell me a fact about {x}."}],
+                                              "source": "chat"} for x in ("owls", "rivers", "tea")]),
+        "test": datasets.Dataset.from_list([{"conversations": [{"from": "human", "value": "Name three prime numbers."}],
+                                             "source": "math"}]),
+    })
+    dd.save_to_disk(str(tmp_path / "dd"))
+    drafts = _drafts(tmp_path / "dd", category_map={"chat": "general", "math": "reasoning"})
+    files = sorted({d.source_file for d in drafts})
+    assert files == [f"{tmp_path / 'dd'}#test", f"{tmp_path / 'dd'}#train"]
+    assert [d.category for d in drafts if d.source_file.endswith("#test")] == ["reasoning"]
