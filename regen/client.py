@@ -294,7 +294,7 @@ class ChatClient:
             raise RequestFailure("connection", f"{type(exc).__name__} at {ep.name}") from exc
         c.latency_s = loop.time() - t0
         c.endpoint = ep.name
-        return c
+        return _normalize(c)
 
 
 async def _http_failure(resp: aiohttp.ClientResponse) -> RequestFailure:
@@ -310,6 +310,51 @@ async def _http_failure(resp: aiohttp.ClientResponse) -> RequestFailure:
         pass
     retry_after = parse_retry_after(resp.headers.get("Retry-After"))
     return RequestFailure(classify_status(resp.status, code), f"HTTP {resp.status}", resp.status, retry_after)
+
+
+def _text(value) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list):  # content parts: keep the text parts
+        return "".join(p.get("text") or "" if isinstance(p, dict) else str(p) for p in value)
+    return _dumps(value).decode()
+
+
+def _ids(value) -> list[int] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+        raise RequestFailure("malformed", "token ids are not a list of integers")
+    return value
+
+
+def _normalize(c: Completion) -> Completion:
+    """Coerce a parsed completion into the types the generation schema stores; RequestFailure("malformed")
+    when a field cannot be (a server's answer must never crash the writer)."""
+    c.content, c.reasoning_content = _text(c.content), _text(c.reasoning_content)
+    if c.finish_reason is not None and not isinstance(c.finish_reason, str):
+        c.finish_reason = str(c.finish_reason)
+    if c.tool_calls is not None:
+        if not isinstance(c.tool_calls, list):
+            raise RequestFailure("malformed", "tool_calls is not a list")
+        calls = []
+        for tc in c.tool_calls:
+            fn = tc.get("function") if isinstance(tc, dict) else None
+            if not isinstance(fn, dict):
+                raise RequestFailure("malformed", "tool call without a function object")
+            args = fn.get("arguments")
+            calls.append({"id": _text(tc.get("id")), "type": _text(tc.get("type")) or "function",
+                          "function": {"name": _text(fn.get("name")),
+                                       "arguments": args if args is None or isinstance(args, str) else _text(args)}})
+        c.tool_calls = calls or None
+    c.prompt_token_ids, c.completion_token_ids = _ids(c.prompt_token_ids), _ids(c.completion_token_ids)
+    if c.usage is not None and not isinstance(c.usage, dict):
+        c.usage = None
+    if c.usage:
+        for k in ("prompt_tokens", "completion_tokens"):
+            if not isinstance(c.usage.get(k), (int, type(None))):
+                c.usage = {kk: v for kk, v in c.usage.items() if kk != k}
+    return c
 
 
 def _message_fields(c: Completion, msg: dict) -> None:

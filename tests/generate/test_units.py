@@ -160,3 +160,18 @@ def test_recover_drops_journal_rows_already_in_a_part(tmp_path):
     ledger.recover(tmp_path)
     assert sorted(ledger.read_index(tmp_path).column("request_key").to_pylist()) == ["a", "b"]
     assert sum(pq.read_metadata(p).num_rows for p in ledger.part_paths(tmp_path)) == 2
+
+
+def test_odd_server_fields_are_normalized_or_malformed():
+    from regen.checks import RequestFailure
+    from regen.client import _normalize
+
+    c = _normalize(Completion(content=[{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                              tool_calls=[{"id": "x", "index": 0, "function": {"name": "f", "arguments": {"k": 1}}}],
+                              usage={"prompt_tokens": "7", "completion_tokens": 3}))
+    assert c.content == "ab" and c.tool_calls == [{"id": "x", "type": "function",
+                                                   "function": {"name": "f", "arguments": '{"k":1}'}}]
+    assert c.usage == {"completion_tokens": 3} and check_completion(c) == []
+    with pytest.raises(RequestFailure) as exc:
+        _normalize(Completion(content="x", completion_token_ids=["a"]))
+    assert exc.value.error_class == "malformed"
