@@ -132,14 +132,15 @@ def _global_denominator(local: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 def dspark_loss(draft, batch: dict, features, anchors=None, keep=None, *, generator=None,
-                weights=LOSS_WEIGHTS, chunk_slots: int | None = None):
+                weights=LOSS_WEIGHTS, chunk_slots: int | None = None, fused: bool = True):
     """The DSpark loss for one micro-batch (spec §5). Returns (loss scalar tensor, metrics dict of floats).
 
     batch: `input_ids` int[B, S], `loss_mask` {0,1}[B, S], optional `attention_mask` [B, S], `position_ids`.
     features: (taps [B, S, T·Ht], last_hidden [B, S, Ht]) from `regen.target.TargetFeatures.features`
       (last_hidden is the target's final-normed state; p_t = softmax(lm_head(last_hidden)), spec §1).
     anchors/keep: from `sample_anchors` (sampled here with `generator` when None).
-    chunk_slots: slots per vocabulary-wide chunk (see `vocab_terms`); None = about 2**25 logits per chunk.
+    chunk_slots: slots per vocabulary-wide chunk; None = about 2**25 logits per chunk. fused: CE + L1 and their
+    gradients in one pass (`regen.dspark_fused`); False = plain autograd (`vocab_terms`), the reference.
 
     Each term is Σ w·term / Σ_global w · world_size (cancels DDP/FSDP gradient averaging):
     L = 0.1·CE + 0.9·L1 + 1.0·BCE(c, c*), c* = clamp(1 − ½‖p_d − p_t‖₁, 0, 1) detached, p_d the
@@ -166,20 +167,24 @@ def dspark_loss(draft, batch: dict, features, anchors=None, keep=None, *, genera
     with torch.no_grad():
         lh = last_hidden.gather(1, pos.flatten(1)[..., None].expand(-1, -1, last_hidden.shape[-1]))
         lh_sel = lh.flatten(0, 1)[sel]
-    ce, l1, hit = vocab_terms(draft, h_sel, prev_sel, tgt_sel, lh_sel, chunk_slots=chunk_slots)
+    denom, world = _global_denominator(w.sum())
+    denom = denom.clamp(min=1e-6)
+    scale = w_sel / denom * world  # Σ over ranks of Σ scale·term = the global weighted mean (spec §5)
+    if fused:
+        from regen.dspark_fused import fused_vocab_loss
+
+        vocab_loss, ce, l1, hit = fused_vocab_loss(draft, h_sel, prev_sel, tgt_sel, lh_sel, weights[0] * scale,
+                                                   weights[1] * scale, chunk_slots=chunk_slots)
+    else:
+        ce, l1, hit = vocab_terms(draft, h_sel, prev_sel, tgt_sel, lh_sel, chunk_slots=chunk_slots)
+        vocab_loss = weights[0] * (scale * ce).sum() + weights[1] * (scale * l1).sum()
     c_star = (1.0 - 0.5 * l1.detach()).clamp(0.0, 1.0)
     conf_logit = draft.confidence_logits(h_sel, prev_sel)
     bce = (F.binary_cross_entropy_with_logits(conf_logit, c_star, reduction="none")
            if conf_logit is not None else torch.zeros_like(ce))
-
-    denom, world = _global_denominator(w.sum())
-    denom = denom.clamp(min=1e-6)
-
-    def reduce(x):
-        return (w_sel * x).sum() / denom * world
-
-    ce_t, l1_t, conf_t = reduce(ce), reduce(l1), reduce(bce)
-    loss = weights[0] * ce_t + weights[1] * l1_t + weights[2] * conf_t
+    conf_t = (scale * bce).sum()
+    loss = vocab_loss + weights[2] * conf_t
+    ce_t, l1_t = (scale * ce.detach()).sum(), (scale * l1.detach()).sum()
 
     with torch.no_grad():
         M = w.numel()
