@@ -250,11 +250,13 @@ def run_eval(cfg, run, *, draft_dir, seed: int | None = None, num_prompts: int =
                         "aux_hidden_stream": cfg.aux_hidden_stream}, "the profile's train section")
     if not cfg.target:
         raise InputError("train.target is not set: give the local path of the target model")
-    target = TargetFeatures.from_pretrained(resolve_path(cfg.target), contract)
+    want = getattr(cfg, "device", "auto")
+    dev = "cuda" if want in ("auto", "cuda") and torch.cuda.is_available() else "cpu"
+    target = TargetFeatures.from_pretrained(resolve_path(cfg.target), contract, device=dev)
     seed = seed if seed is not None else (cfg.seed if getattr(cfg, "seed", None) is not None else 0)
-    trained = load_draft(ddir, target_model=target.model).eval()
+    trained = load_draft(ddir, target_model=target.model).to(dev).eval()
     torch.manual_seed(seed)
-    untrained = DSparkDraft.from_target(target.model, dcfg).eval()
+    untrained = DSparkDraft.from_target(target.model, dcfg).to(dev).eval()
     gen = getattr(target.model, "generation_config", None)
     eos = getattr(gen, "eos_token_id", None) if gen is not None else None
     stop = sorted({*(eos if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else [])),
