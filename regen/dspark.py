@@ -1,6 +1,7 @@
 """The DSpark draft model: tap context path, MLA (or GQA) block backbone, Markov and confidence heads.
 
-Single-device code; parallelism is applied elsewhere (`regen.parallel`). Spec: shared/docs/dspark.md
+Single-device code; parallelism is applied elsewhere (`regen.parallel`); building blocks (norms, YaRN RoPE,
+MLA/GQA attention, heads) live in `regen.dspark_layers`. Spec: shared/docs/dspark.md
 (DS = deepseek-ai/DeepSpec, TK/TS = the K3 MLA drafts; section numbers below are the spec's).
 
 Shape legend:
