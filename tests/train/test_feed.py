@@ -183,3 +183,15 @@ def test_left_truncation_keeps_the_end_of_long_rows(shard_writer):
                 mask = mask_from_spans(row["loss_spans"], row["num_tokens"])[-CFG.max_len:]
                 assert mb.loss_mask[b].int().tolist() == mask
     assert n == 12
+
+
+def test_heldout_fraction_uses_the_eval_split(shard_writer):
+    from regen.eval import is_heldout
+
+    rows = make_rows(60, seed=11)
+    shard_writer.add(rows, complete=True)
+    feed = ShardFeed(shard_writer.dir, FeedConfig(**{**CFG.__dict__, "heldout_fraction": 0.3}))
+    seen = set(flat(ids_of(feed)))
+    held = {r["sample_id"] for r in rows if is_heldout(r["prompt_id"], 0.3)}
+    assert held and not seen & held
+    assert seen == {r["sample_id"] for r in rows} - held
