@@ -42,6 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args) -> int:
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     profile, run = load_profile_from_args(args)
     cfg = profile.train
     updates = {"seed": cfg.seed if cfg.seed is not None else profile.seed}
