@@ -230,15 +230,10 @@ def run_train(cfg, run, *, follow: bool = False, stop_after_steps: int | None = 
     or shards, a contract mismatch, or `--follow` without train.max_steps. `stop_after_steps` ends this
     invocation early without shortening the schedule (a preemption; the next call resumes).
     """
-    import torch
     import torch.distributed as dist
 
-    from regen.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
     from regen.config import resolve_path
-    from regen.dspark import DSparkDraft
-    from regen.feed import ShardFeed
-    from regen.parallel import all_reduce_sum, destroy_distributed, init_distributed, shard_model
-    from regen.target import TargetContract, TargetFeatures, declared_contract
+    from regen.parallel import destroy_distributed, init_distributed
 
     # -- config ---------------------------------------------------------------------------------------------
     seed = cfg.seed if cfg.seed is not None else 0
@@ -247,19 +242,35 @@ def run_train(cfg, run, *, follow: bool = False, stop_after_steps: int | None = 
         raise InputError("train.target is not set: give the local path of the target model "
                          "(e.g. --set train.target=data/models/gemma3-270m)")
     target_path = resolve_path(cfg.target)
-    train_dir = Path(run.train)
+    if not (Path(target_path) / "config.json").exists():
+        raise InputError(f"train.target={cfg.target!r}: no config.json in {target_path}; give a local "
+                         "transformers model directory (the embedded one appears after `bash scripts/setup.sh`)")
 
     # -- process group --------------------------------------------------------------------------------------
     owns_group = not dist.is_initialized()
     info = init_distributed(cfg.device)
+    try:
+        return _train(cfg, run, info, target_path, follow=follow, stop_after_steps=stop_after_steps)
+    finally:
+        if owns_group:
+            destroy_distributed()
+
+
+def _train(cfg, run, info, target_path: Path, *, follow: bool, stop_after_steps: int | None) -> dict:
+    """run_train's body, in the process group `info` (see run_train)."""
+    import torch
+
+    from regen.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+    from regen.dspark import DSparkDraft
+    from regen.feed import ShardFeed
+    from regen.parallel import all_reduce_sum, shard_model
+    from regen.target import TargetContract, TargetFeatures, declared_contract
+    from transformers import AutoConfig
+
+    seed, train_dir = cfg.seed, Path(run.train)
     torch.manual_seed(seed)  # identical draft init on every rank
 
     # -- target (frozen) ------------------------------------------------------------------------------------
-    from transformers import AutoConfig
-
-    if not (Path(target_path) / "config.json").exists():
-        raise InputError(f"train.target={cfg.target!r}: no config.json in {target_path}; give a local "
-                         "transformers model directory (the embedded one appears after `bash scripts/setup.sh`)")
     draft_cfg = build_draft_config(cfg, AutoConfig.from_pretrained(str(target_path), local_files_only=True))
     contract = TargetContract.from_draft_config(draft_cfg)
     target = TargetFeatures.from_pretrained(target_path, contract, dtype=_dtype(cfg.target_dtype, info.device),
@@ -363,8 +374,6 @@ def run_train(cfg, run, *, follow: bool = False, stop_after_steps: int | None = 
 
         write_json_atomic(summary, train_dir / "summary.json")
     target.close()
-    if owns_group:
-        destroy_distributed()
     return summary
 
 
