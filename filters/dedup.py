@@ -52,10 +52,13 @@ class MinHasher:
         self.n = shingle_chars
         self.max_chars = max_chars
 
-    def shingles(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        """(doc index int64[S], shingle hash uint32[S]) for every shingle of every text."""
+    def shingles(self, texts: list[str], normalized: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """(doc index int32[S], shingle hash uint32[S]) for every shingle of every text.
+
+        `normalized`: the texts are already `normalize_text` output (skips normalizing again).
+        """
         n = self.n
-        norm = [normalize_text(t)[: self.max_chars] or " " for t in texts]
+        norm = [(t if normalized else normalize_text(t))[: self.max_chars] or " " for t in texts]
         sep = "\x00" * (n - 1)
         cps = np.frombuffer((sep.join(norm) + sep).encode("utf-32-le"), dtype=np.uint32)
         lens = np.fromiter((len(t) for t in norm), dtype=np.int64, count=len(norm))
@@ -78,13 +81,13 @@ class MinHasher:
         doc = np.cumsum(marks, dtype=np.int32)
         return doc[valid], _fmix32(h[valid])
 
-    def signatures(self, texts: list[str]) -> np.ndarray:
+    def signatures(self, texts: list[str], normalized: bool = False) -> np.ndarray:
         """uint32[len(texts), num_perm] signatures (one-permutation hashing with rotation densification)."""
         k = self.num_perm
         d = len(texts)
         if d == 0:
             return np.zeros((0, k), dtype=np.uint32)
-        doc, hv = self.shingles(texts)
+        doc, hv = self.shingles(texts, normalized)
         flat = np.full(d * k, _MAX32, dtype=np.uint32)
         np.minimum.at(flat, doc.astype(np.int64) * k + (hv % np.uint32(k)), hv)
         sig = flat.reshape(d, k)

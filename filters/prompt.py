@@ -267,8 +267,12 @@ class ContaminationFilter(Filter):
                 f"(limit {self.max_overlap:.0%})")
 
 
-def dedup_key(record) -> int:
-    """Hash of the normalized conversation (role-tagged text of every message) plus the tool names."""
+def conversation_text(record) -> str:
+    """Normalized role-tagged text of every message (image URLs included) plus the tool names, one line per
+    message: what exact and near dedup compare. Cached in `record.extra["norm"]` when the record has `extra`."""
+    cache = getattr(record, "extra", None)
+    if cache is not None and "norm" in cache:
+        return cache["norm"]
     parts = []
     for m in record.messages:
         c = m.get("content")
@@ -276,7 +280,15 @@ def dedup_key(record) -> int:
         text = normalize_text(message_text([m], roles=(m.get("role"),)) + " " + " ".join(images))
         parts.append(f"{m.get('role')}:{text}")
     names = sorted(t["function"].get("name") or "" for t in record.tools or [] if isinstance(t.get("function"), dict))
-    return text_hash("\n".join(parts) + "\x00" + ",".join(names))
+    out = "\n".join(parts) + ("\ntools:" + ",".join(names) if names else "")
+    if cache is not None:
+        cache["norm"] = out
+    return out
+
+
+def dedup_key(record) -> int:
+    """64-bit hash of `conversation_text(record)`."""
+    return text_hash(conversation_text(record))
 
 
 class ExactDedupFilter(Filter):

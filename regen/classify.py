@@ -103,7 +103,7 @@ def identify_language(text: str) -> str:
         return "en"
     if sum(1 for w in words if w in EN_WORDS) >= 0.2 * len(words):
         return "en"
-    code = _langid(s[:300])
+    code = _langid(s[:240])
     return normalize_language(code) or "en"
 
 

@@ -29,8 +29,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from filters.dedup import MinHasher, near_duplicates
-from filters.prompt import PROMPT_FILTERS, ContaminationIndex, prompt_tokens
-from filters.text import message_text
+from filters.prompt import PROMPT_FILTERS, ContaminationIndex, conversation_text, prompt_tokens
 from regen.config.select import SelectConfig, SourceConfig
 from regen.errors import InputError
 from regen.rundir import RunDir
@@ -299,7 +298,7 @@ def run_select(cfg: SelectConfig, run: RunDir, *, seed: int, extra_sources: list
                 if survivors:
                     tables.append(_to_table(survivors))
                     if near is not None:
-                        sigs.append(hasher.signatures([_dedup_text(d) for d in survivors]))
+                        sigs.append(hasher.signatures([conversation_text(d) for d in survivors], normalized=True))
                 num_rows += len(rows)
                 if known:
                     step = size * len(rows) / known
@@ -345,11 +344,6 @@ def _reject(w: RejectWriter, d, filt: str, reason: str, score, payload: str) -> 
     w.add(RejectedRecord(stage=STAGE, filter=filt, reason=reason, score=score, source=d.source,
                          source_file=d.source_file, source_row=d.source_row, prompt_id=d.prompt_id,
                          category=d.category, payload=payload))
-
-
-def _dedup_text(d) -> str:
-    names = " ".join(t["function"].get("name") or "" for t in d.tools or [] if isinstance(t.get("function"), dict))
-    return message_text(d.messages, roles=("system", "user", "assistant", "tool")) + ("\n" + names if names else "")
 
 
 def _to_table(drafts) -> pa.Table:
