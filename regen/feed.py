@@ -21,6 +21,9 @@ says the producing run is finished: `"complete": true`, or `"status"` in {"compl
 Waiting never changes the stream: the shuffle buffer and windows emit only when full or when the input is
 finished, so a followed run sees the same samples in the same order as a run over the finished manifest.
 
+Every rank reads (and checksums) every shard: the stream is computed identically on all ranks from metadata,
+and each rank materializes only its own micro-batches; verified shard tables stay in a small LRU cache.
+
 Position: `state_dict()` = {epoch, number of global micro-batches consumed in it, signature of the settings
 that shape the stream}. `load_state_dict` fast-forwards over metadata only (lengths, spans, prompt ids), so a
 resumed run sees exactly the samples it has not seen, even with another world size or accumulation.
