@@ -1,9 +1,10 @@
 """Benchmark the embedded target (`transformers serve`, regen.serve.EmbeddedTarget): time to ready, server RSS,
 and output tokens/s at 1 request in flight (the baseline) and at 8 and 16 concurrent requests.
 
-    .venv/bin/python bench/serve_target.py [--quick] [--max-tokens 64] [--set serve.cb_num_blocks=64 ...]
+    .venv/bin/python -P bench/serve_target.py [--quick] [--max-tokens 64] [--set serve.cb_num_blocks=64 ...]
 
-Prints one JSON line per concurrency with `tok_s` and `ratio` (= tok_s / tok_s at concurrency 1, same run).
+Prints one JSON line per concurrency with `tok_s`, `ratio` (= tok_s / tok_s at concurrency 1, same run), the
+server's CPU seconds per output token (robust to other load on a shared machine) and the load average.
 Greedy decoding; each request asks for exactly `--max-tokens` tokens of a short user prompt (the server may stop
 early at `<end_of_turn>`, the count is the server's `usage.completion_tokens`).
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import time
 
 import httpx
@@ -48,11 +50,16 @@ async def _round(target: EmbeddedTarget, concurrency: int, num_requests: int, ma
             async with sem:
                 return await _one(client, url, target.model, i, max_tokens)
 
+        proc = psutil.Process(target.pid)
+        cpu0 = sum(proc.cpu_times()[:2])
         t0 = time.perf_counter()
         tokens = await asyncio.gather(*(run(i) for i in range(num_requests)))
         wall = time.perf_counter() - t0
+        cpu = sum(proc.cpu_times()[:2]) - cpu0
+    # server CPU seconds per output token: less sensitive than tokens/s to other load on a shared machine
     return {"concurrency": concurrency, "requests": num_requests, "tokens": sum(tokens), "wall_s": round(wall, 2),
-            "tok_s": round(sum(tokens) / wall, 2)}
+            "tok_s": round(sum(tokens) / wall, 2), "server_cpu_s_per_token": round(cpu / max(1, sum(tokens)), 3),
+            "load_avg": os.getloadavg()[0]}
 
 
 def main() -> None:

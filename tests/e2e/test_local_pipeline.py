@@ -1,0 +1,88 @@
+"""The README's first command on a small prompt count: `regen run --profile local` with the embedded real model
+(select -> embedded target -> generate -> filter -> render), then `regen query` prints the mix, a rerun on
+the same directory resumes without asking the server again, and the report opens in headless Chromium."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from e2e_helpers import dump_dom
+
+from regen.summary import MIX_SQL
+from schemas.prompt import CATEGORIES
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[2]
+REGEN = str(Path(sys.executable).with_name("regen"))
+SMALL = ["--set", "select.total=24", "--set", "generate.max_tokens=16"]
+
+
+def _regen(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    out = subprocess.run([REGEN, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, f"regen {args[0]} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def local_run(tmp_path_factory):
+    run = tmp_path_factory.mktemp("e2e") / "local"
+    out = _regen("run", "--profile", "local", "--run", str(run), "--no-progress", *SMALL)
+    return run, out.stdout
+
+
+def _posts(run: Path) -> int:
+    log = run / "serve" / "server.log"
+    return sum('"POST /v1/chat/completions' in x for x in log.read_text(errors="replace").splitlines())
+
+
+def test_every_stage_wrote_its_outputs(local_run):
+    run, stdout = local_run
+    for stage in ("prompts", "generations", "shards"):
+        assert (run / stage / "manifest.json").exists(), stage
+    assert list((run / "prompts").glob("part-*.parquet")) and list((run / "shards").glob("shard-*.parquet"))
+    gen = json.loads((run / "generations" / "manifest.json").read_text())
+    assert gen["accounting"]["balanced"] and gen["accounting"]["generated"] > 0
+    assert "The mix (DuckDB" in stdout and MIX_SQL in stdout
+
+
+def test_generations_come_from_the_real_model(local_run):
+    run, _ = local_run
+    out = _regen("query", "--run", str(run), "--json",
+                 "SELECT model, status, content, num_completion_tokens FROM generations WHERE status = 'ok'")
+    rows = [json.loads(x) for x in out.stdout.splitlines()]
+    assert rows and {r["model"] for r in rows} == {"gemma3-270m"}
+    assert all(0 < r["num_completion_tokens"] <= 16 for r in rows)
+    assert sum(bool(r["content"].strip()) for r in rows) >= len(rows) // 2
+    assert _posts(run) >= len(rows) + 1  # served over HTTP: warm-up + one request per row at least
+
+
+def test_every_category_is_present_and_query_prints_the_mix(local_run):
+    run, _ = local_run
+    out = _regen("query", "--run", str(run), "--json", MIX_SQL)
+    mix = {json.loads(x)["category"]: json.loads(x)["prompts"] for x in out.stdout.splitlines()}
+    assert set(mix) == set(CATEGORIES) and sum(mix.values()) == 24
+    samples = _regen("query", "--run", str(run), "--json", "SELECT DISTINCT category FROM samples").stdout
+    assert {json.loads(x)["category"] for x in samples.splitlines()} == set(CATEGORIES)
+    table = _regen("query", "--run", str(run), MIX_SQL).stdout
+    assert all(c in table for c in CATEGORIES)
+
+
+def test_rerun_resumes_without_requests(local_run):
+    run, _ = local_run
+    before = _posts(run)
+    shards = (run / "shards" / "manifest.json").read_text()
+    out = _regen("run", "--profile", "local", "--run", str(run), "--no-progress", *SMALL)
+    assert _posts(run) == before  # finished generations: the target is not even started
+    assert "embedded target" not in out.stdout
+    assert json.loads((run / "shards" / "manifest.json").read_text())["shards"] == json.loads(shards)["shards"]
+
+
+def test_report_of_the_run_in_chromium(local_run, chromium, tmp_path):
+    run, _ = local_run
+    _regen("report", "--run", str(run))
+    dom = dump_dom(chromium, run / "report.html", tmp_path)
+    # mix, languages, prompt and response lengths, finish reasons, rejects, throughput, drift
+    assert 'data-images-ok="8"' in dom, dom[:1000]
