@@ -48,13 +48,15 @@ def _files_text(root: Path) -> str:
 def test_kimi_k3_deployment_against_a_test_server(prefect_stack, fake_openai, tmp_path):
     url, log = fake_openai
     prefect_stack.kill_worker()
-    prefect_stack.start_worker(REGEN_API_KEY=SECRET)
+    # Production reads its prompt pool, endpoints and key from the worker's environment; the pool here is the
+    # bundled kimi-mtp fixture, the endpoint the fake server (a run-time parameter), training off.
+    prefect_stack.start_worker(REGEN_API_KEY=SECRET, KIMI_MTP_DATASET=str(REPO / "data" / "prompts" / "kimi_mtp_sample"))
     run_dir = tmp_path / "kimi"
-    params = {"run_dir": str(run_dir), "overrides": {
+    params = {"run_dir": str(run_dir), "train": False, "overrides": {
         "select.total": 24, "generate.endpoints": [url], "generate.max_in_flight": 8, "generate.max_tokens": 256,
         "render.tokenizer": None}}
     fr = prefect_stack.deployment_run("kimi-k3", params)
-    assert prefect_stack.wait_final(fr) == "COMPLETED", prefect_stack.logs(fr)[-20:]
+    assert prefect_stack.wait_final(fr) == "COMPLETED", "\n".join(prefect_stack.logs(fr)[-30:])
 
     bodies = [json.loads(x)["body"] for x in log.read_text().splitlines()]
     manifest = json.loads((run_dir / "generations" / "manifest.json").read_text())
@@ -100,7 +102,7 @@ def test_local_deployment_survives_a_killed_worker(prefect_stack, tmp_path):
 
     prefect_stack.start_worker()
     second = prefect_stack.deployment_run("local", params)
-    assert prefect_stack.wait_final(second) == "COMPLETED", prefect_stack.logs(second)[-20:]
+    assert prefect_stack.wait_final(second) == "COMPLETED", "\n".join(prefect_stack.logs(second)[-30:])
 
     manifest = json.loads((gen_dir / "manifest.json").read_text())
     acc, metrics = manifest["accounting"], manifest["metrics"]  # metrics: the second session's
