@@ -20,7 +20,7 @@ import torch
 
 class _FusedVocabLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, e, w2, W, last_h, tgt, alpha, beta, cap, chunk):
+    def forward(ctx, h, e, w2, W, last_h, pt_idx, tgt, alpha, beta, cap, chunk):
         M = h.shape[0]
         g_h = torch.zeros(M, h.shape[1], dtype=torch.float32, device=h.device)
         g_e = torch.zeros_like(e, dtype=torch.float32) if e is not None else None
@@ -40,10 +40,11 @@ class _FusedVocabLoss(torch.autograd.Function):
             hit[i:j] = (logits.argmax(-1) == t).float()
             del logits
             p = logp.exp_()  # logp is not needed any more: reuse its storage
-            pt = (last_h[i:j].to(W.dtype) @ W.T).float()
+            uniq, inv = torch.unique(pt_idx[i:j], return_inverse=True)  # p_t once per distinct position
+            pt = (last_h[uniq].to(W.dtype) @ W.T).float()
             if cap:
                 pt = torch.tanh(pt / cap) * cap
-            pt = torch.softmax(pt, dim=-1)
+            pt = torch.softmax(pt, dim=-1)[inv]
             diff = p - pt
             del pt
             l1[i:j] = diff.abs().sum(-1)
@@ -71,13 +72,17 @@ class _FusedVocabLoss(torch.autograd.Function):
         dh, de, dw2 = ctx.dtypes
         out_e = (g_total * g_e).to(de) if g_e is not None and ctx.needs_input_grad[1] else None
         out_w2 = (g_total * g_w2).to(dw2) if g_w2 is not None and ctx.needs_input_grad[2] else None
-        return (g_total * g_h).to(dh), out_e, out_w2, None, None, None, None, None, None, None
+        return (g_total * g_h).to(dh), out_e, out_w2, None, None, None, None, None, None, None, None
 
 
-def fused_vocab_loss(draft, h_MH, prev_M, tgt_M, last_h_MH, alpha_M, beta_M, *, chunk_slots: int | None = None):
+def fused_vocab_loss(draft, h_MH, prev_M, tgt_M, last_h_UH, pt_idx_M, alpha_M, beta_M, *,
+                     chunk_slots: int | None = None):
     """(S scalar with gradient, ce f32[M], l1 f32[M], hit f32[M]) — see the module docstring.
 
-    alpha/beta: per-slot coefficients of CE and L1 in the loss (detached), e.g. 0.1·w_i·world/Σw.
+    last_h_UH: the target's final-normed states of the U distinct positions the slots use; pt_idx_M: the row of
+    each slot in it (slots sorted by it make each chunk's p_t matmul cover ~m/K rows at dense anchors, since
+    up to K blocks supervise the same position). alpha/beta: per-slot coefficients of CE and L1 in the loss
+    (detached), e.g. 0.1·w_i·world/Σw.
     """
     cfg = draft.config
     chunk = chunk_slots or max(1, (1 << 25) // cfg.vocab_size)
@@ -86,7 +91,7 @@ def fused_vocab_loss(draft, h_MH, prev_M, tgt_M, last_h_MH, alpha_M, beta_M, *, 
         w2 = draft.markov_head.markov_w2.weight
     else:
         e = w2 = None
-    total, ce, l1, hit = _FusedVocabLoss.apply(h_MH, e, w2, draft.lm_head.weight, last_h_MH, tgt_M,
+    total, ce, l1, hit = _FusedVocabLoss.apply(h_MH, e, w2, draft.lm_head.weight, last_h_UH, pt_idx_M, tgt_M,
                                                alpha_M.detach().float(), beta_M.detach().float(),
                                                cfg.final_logit_softcapping, chunk)
     return total, ce, l1, hit

@@ -149,7 +149,7 @@ def dspark_loss(draft, batch: dict, features, anchors=None, keep=None, *, genera
     taps, last_hidden = features
     ids, lm = batch["input_ids"], batch["loss_mask"]
     cfg = draft.config
-    K, S = cfg.block_size, ids.shape[1]
+    K, (B, S) = cfg.block_size, ids.shape
     if anchors is None:
         anchors, keep = sample_anchors(lm, cfg.num_anchors, generator)
     hidden = draft(taps, ids, anchors, keep, batch.get("position_ids"), batch.get("attention_mask"))  # [B,N,K,H]
@@ -164,18 +164,26 @@ def dspark_loss(draft, batch: dict, features, anchors=None, keep=None, *, genera
     sel = w.flatten() > 0  # only supervised slots enter the vocabulary-wide terms
     h_sel = hidden.flatten(0, 2)[sel]
     prev_sel, tgt_sel, w_sel = prev_ids.flatten()[sel], tgt_ids.flatten()[sel], w.flatten()[sel]
-    with torch.no_grad():
-        lh = last_hidden.gather(1, pos.flatten(1)[..., None].expand(-1, -1, last_hidden.shape[-1]))
-        lh_sel = lh.flatten(0, 1)[sel]
     denom, world = _global_denominator(w.sum())
     denom = denom.clamp(min=1e-6)
     scale = w_sel / denom * world  # Σ over ranks of Σ scale·term = the global weighted mean (spec §5)
     if fused:
         from regen.dspark_fused import fused_vocab_loss
 
-        vocab_loss, ce, l1, hit = fused_vocab_loss(draft, h_sel, prev_sel, tgt_sel, lh_sel, weights[0] * scale,
-                                                   weights[1] * scale, chunk_slots=chunk_slots)
+        # order slots by (row, position) so each chunk computes p_t once per distinct position
+        key = (torch.arange(B, device=pos.device)[:, None, None] * S + pos).flatten()[sel]
+        order = torch.argsort(key, stable=True)
+        uniq, pt_idx = torch.unique(key[order], return_inverse=True)
+        vocab_loss, ce, l1, hit = fused_vocab_loss(
+            draft, h_sel[order], prev_sel[order], tgt_sel[order], last_hidden.flatten(0, 1)[uniq], pt_idx,
+            weights[0] * scale[order], weights[1] * scale[order], chunk_slots=chunk_slots)
+        back = torch.empty_like(order)
+        back[order] = torch.arange(order.numel(), device=order.device)
+        ce, l1, hit = ce[back], l1[back], hit[back]
     else:
+        with torch.no_grad():
+            lh = last_hidden.gather(1, pos.flatten(1)[..., None].expand(-1, -1, last_hidden.shape[-1]))
+            lh_sel = lh.flatten(0, 1)[sel]
         ce, l1, hit = vocab_terms(draft, h_sel, prev_sel, tgt_sel, lh_sel, chunk_slots=chunk_slots)
         vocab_loss = weights[0] * (scale * ce).sum() + weights[1] * (scale * l1).sum()
     c_star = (1.0 - 0.5 * l1.detach()).clamp(0.0, 1.0)
