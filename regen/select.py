@@ -184,8 +184,11 @@ def _clear(directory: Path, pattern: str) -> None:
         p.unlink()
 
 
-def config_hash(cfg: SelectConfig, seed: int, extra: list[str]) -> str:
-    return hashlib.sha256(canonical_json({"select": cfg.model_dump(), "seed": seed, "extra": extra}).encode()).hexdigest()[:16]
+def config_hash(cfg: SelectConfig, seed: int, extra: list[str], files: list[tuple[str, int, int]] = ()) -> str:
+    """Hash of what determines the selection: the select config, the seed, extra sources and the input files
+    (path, size, mtime_ns), so a changed pool path or file is never mistaken for a finished run."""
+    payload = {"select": cfg.model_dump(), "seed": seed, "extra": extra, "files": [list(f) for f in files]}
+    return hashlib.sha256(canonical_json(payload).encode()).hexdigest()[:16]
 
 
 def _all_sources(cfg: SelectConfig, extra_sources: list[str] | None) -> list[SourceConfig]:
@@ -221,15 +224,16 @@ def run_select(cfg: SelectConfig, run: RunDir, *, seed: int, extra_sources: list
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     extra = [str(Path(p).resolve()) for p in extra_sources or []]
-    chash = config_hash(cfg, seed, extra)
+    sources = _all_sources(cfg, extra)
+    files = [(src, path, kind) for src in sources for path, kind in source_files(src)]
+    stats = [(path, _size(path), Path(path).stat().st_mtime_ns) for _, path, _ in files]
+    chash = config_hash(cfg, seed, extra, stats)
     old = run.manifest(run.prompts)
     if old and old.get("config_hash") == chash and old.get("seed") == seed and all(
         (run.prompts / p["path"]).exists() for p in old.get("parts", [])
     ):
         return old
     t0 = time.time()
-    sources = _all_sources(cfg, extra)
-    files = [(src, path, kind) for src in sources for path, kind in source_files(src)]
     run.prompts.mkdir(parents=True, exist_ok=True)
     rej_dir = run.rejected(STAGE)
     rej_dir.mkdir(parents=True, exist_ok=True)

@@ -115,3 +115,16 @@ def test_planted_exact_and_near_duplicates_removed(repo_root, tmp_path):
     assert {r[1] for r in rows[:10]} == {"exact_dedup"} and {r[1] for r in rows[10:]} == {"near_dedup"}
     assert all("duplicate" in r[2] and "of prompt" in r[2] for r in rows)
     assert m["accounting"]["files"][str(p)]["rejected"] == 20
+
+
+def test_resume_redoes_work_when_an_input_file_changes(tmp_path):
+    p = tmp_path / "pool.jsonl"
+    p.write_text("\n".join(json.dumps({"prompt": f"Explain idea number {i} of the theory of relativity."}) for i in range(5)))
+    cfg = SelectConfig(total=3, sources=[SourceConfig(name="p", path=str(p), category="general")], mix={"general": 1.0})
+    run = RunDir.at(tmp_path / "run")
+    first = run_select(cfg, run, seed=0, progress=False)
+    assert run_select(cfg, run, seed=0, progress=False) == first
+    p.write_text(p.read_text() + "\n" + json.dumps({"prompt": "A brand new prompt about black holes and light."}))
+    again = run_select(cfg, run, seed=0, progress=False)
+    assert again["config_hash"] != first["config_hash"]
+    assert again["accounting"]["totals"]["input_rows"] == 6
