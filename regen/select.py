@@ -275,11 +275,15 @@ def run_select(cfg: SelectConfig, run: RunDir, *, seed: int, extra_sources: list
             shape = fmap = None
             cache: dict = {}
             done = 0
+            if kind != "hf":  # an empty file is still accounted for (0 rows)
+                acct.setdefault(path, {"source": src.name, "shape": None, "input_rows": 0, "selected": 0,
+                                       "rejected": 0, "not_selected": 0})
             for sfile, start, rows in iter_raw_batches(path, kind, cfg.batch_rows, src.fields, src.max_rows):
                 if shape is None:
                     shape, fmap = shape_of(sfile, rows, src.fields)
                 a = acct.setdefault(sfile, {"source": src.name, "shape": shape, "input_rows": 0, "selected": 0,
                                             "rejected": 0, "not_selected": 0})
+                a["shape"] = shape
                 survivors = []
                 for d in make_drafts(src, cfg, sfile, start, rows, shape, fmap, cache):
                     a["input_rows"] += 1

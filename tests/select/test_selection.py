@@ -128,3 +128,14 @@ def test_resume_redoes_work_when_an_input_file_changes(tmp_path):
     again = run_select(cfg, run, seed=0, progress=False)
     assert again["config_hash"] != first["config_hash"]
     assert again["accounting"]["totals"]["input_rows"] == 6
+
+
+def test_empty_file_is_accounted_for(tmp_path):
+    (tmp_path / "pool").mkdir()
+    (tmp_path / "pool" / "a.jsonl").write_text(json.dumps({"prompt": "Why is the sky blue during the day?"}) + "\n")
+    (tmp_path / "pool" / "b.jsonl").write_text("\n\n")
+    cfg = SelectConfig(total=1, sources=[SourceConfig(name="p", path=str(tmp_path / "pool"), category="general")])
+    m = run_select(cfg, RunDir.at(tmp_path / "run"), seed=0, progress=False)
+    files = m["accounting"]["files"]
+    assert files[str(tmp_path / "pool" / "b.jsonl")]["input_rows"] == 0
+    assert files[str(tmp_path / "pool" / "a.jsonl")]["selected"] == 1
