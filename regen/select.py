@@ -29,13 +29,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from filters.dedup import MinHasher, near_duplicates
-from filters.prompt import PROMPT_FILTERS, ContaminationIndex, conversation_text, prompt_tokens
+from filters.prompt import PROMPT_FILTERS, ContaminationIndex
+from regen.batches import BatchRunner, configure, payload
 from regen.config.select import SelectConfig, SourceConfig
 from regen.errors import InputError
 from regen.rundir import RunDir
-from regen.sources import benchmark_texts, iter_raw_batches, make_drafts, shape_of, source_files
+from regen.sources import benchmark_texts, iter_raw_batches, shape_of, source_files
 from schemas.io import write_parquet_atomic, write_rows_atomic
-from schemas.prompt import CATEGORIES, PROMPT_SCHEMA, SCHEMA_VERSION, PromptRecord, canonical_json
+from schemas.prompt import CATEGORIES, PROMPT_SCHEMA, SCHEMA_VERSION, canonical_json
 from schemas.rejected import REJECTED_SCHEMA, RejectedRecord
 
 STAGE = "select"
@@ -161,7 +162,11 @@ class RejectWriter:
         self.flush_rows = flush_rows
 
     def add(self, rec: RejectedRecord) -> None:
-        self.rows.append(rec.to_arrow_row())
+        self.add_row(rec.to_arrow_row())
+
+    def add_row(self, row: dict) -> None:
+        """Add one REJECTED_SCHEMA row dict."""
+        self.rows.append(row)
         if len(self.rows) >= self.flush_rows:
             self.flush()
 
@@ -172,11 +177,7 @@ class RejectWriter:
             self.rows = []
 
 
-def _payload(obj) -> str:
-    try:
-        return json.dumps(obj, ensure_ascii=False, default=str)[:4096]
-    except (TypeError, ValueError):
-        return repr(obj)[:4096]
+_payload = payload
 
 
 def _clear(directory: Path, pattern: str) -> None:
@@ -247,74 +248,49 @@ def run_select(cfg: SelectConfig, run: RunDir, *, seed: int, extra_sources: list
 
         texts = [t for f in cfg.contamination_files for t in benchmark_texts(str(resolve_path(f)))]
         index = ContaminationIndex(texts, cfg.contamination_ngram)
-    row_filters = []
-    near = None
-    for name in cfg.filters:
-        cls = PROMPT_FILTERS[name]
-        if name == "near_dedup":
-            near = cls.from_config(cfg)
-        elif name == "contamination":
-            row_filters.append(cls.from_config(cfg, index))
-        else:
-            row_filters.append(cls.from_config(cfg))
-
-    hasher = MinHasher(cfg.num_perm, cfg.shingle_chars, cfg.minhash_max_chars)
+    configure(cfg, index)
+    exact = PROMPT_FILTERS["exact_dedup"].from_config(cfg) if "exact_dedup" in cfg.filters else None
+    near = PROMPT_FILTERS["near_dedup"].from_config(cfg) if "near_dedup" in cfg.filters else None
     rejects = RejectWriter(rej_dir)
     acct: dict[str, dict] = {}
     drops: Counter = Counter()
     tables: list[pa.Table] = []
     sigs: list[np.ndarray] = []
     total_bytes = sum(_size(p) for _, p, _ in files)
+
+    def jobs():
+        """(progress step in bytes, job) for every batch of every file, reading in the main process."""
+        for src, path, kind in files:
+            size, known, done = _size(path), _file_rows(path, kind), 0.0
+            if kind != "hf":  # an empty file is still accounted for (0 rows)
+                _acct(acct, path, src.name, None)
+            shape = fmap = None
+            for sfile, start, rows in iter_raw_batches(path, kind, cfg.batch_rows, src.fields, src.max_rows):
+                if shape is None:
+                    shape, fmap = shape_of(sfile, rows, src.fields)
+                _acct(acct, sfile, src.name, shape)
+                step = size * len(rows) / known if known else 0.0
+                done += step
+                yield step, (src, sfile, start, rows, shape, fmap)
+            if size - done > 0:
+                yield size - done, None
+
+    runner = BatchRunner(cfg.workers)
     with Progress(TextColumn("[bold]select"), BarColumn(), TextColumn("{task.fields[rows]:,} rows"),
                   TextColumn("{task.description}"), TimeElapsedColumn(), disable=not progress, transient=True) as bar:
         task = bar.add_task("", total=max(total_bytes, 1), rows=0)
         num_rows = 0
-        for src, path, kind in files:
-            size = _size(path)
-            known = _file_rows(path, kind)
-            shape = fmap = None
-            cache: dict = {}
-            done = 0
-            if kind != "hf":  # an empty file is still accounted for (0 rows)
-                acct.setdefault(path, {"source": src.name, "shape": None, "input_rows": 0, "selected": 0,
-                                       "rejected": 0, "not_selected": 0})
-            for sfile, start, rows in iter_raw_batches(path, kind, cfg.batch_rows, src.fields, src.max_rows):
-                if shape is None:
-                    shape, fmap = shape_of(sfile, rows, src.fields)
-                a = acct.setdefault(sfile, {"source": src.name, "shape": shape, "input_rows": 0, "selected": 0,
-                                            "rejected": 0, "not_selected": 0})
-                a["shape"] = shape
-                survivors = []
-                for d in make_drafts(src, cfg, sfile, start, rows, shape, fmap, cache):
-                    a["input_rows"] += 1
-                    if d.error:
-                        _reject(rejects, d, d.filter, d.error, None, _payload(d.raw))
-                        drops[d.filter] += 1
-                        a["rejected"] += 1
-                        continue
-                    d.num_prompt_tokens = prompt_tokens(d)
-                    for f in row_filters:
-                        dec = f(d)
-                        if not dec.keep:
-                            _reject(rejects, d, f.name, dec.reason, dec.score,
-                                    _payload({"messages": d.messages, "tools": d.tools}))
-                            drops[f.name] += 1
-                            a["rejected"] += 1
-                            break
-                    else:
-                        survivors.append(d)
-                if survivors:
-                    tables.append(_to_table(survivors))
-                    if near is not None:
-                        sigs.append(hasher.signatures([conversation_text(d) for d in survivors], normalized=True))
-                num_rows += len(rows)
-                if known:
-                    step = size * len(rows) / known
-                    done += step
-                    bar.update(task, advance=step, rows=num_rows, description=Path(sfile).name)
-                else:
-                    bar.update(task, rows=num_rows, description=Path(sfile).name)
-            bar.update(task, advance=max(size - done, 0))
+        try:
+            for step, res in runner.map(jobs()):
+                if res is not None:
+                    num_rows += res.num_rows
+                    _merge(res, acct, drops, rejects, exact, tables, sigs)
+                bar.update(task, advance=step, rows=num_rows,
+                           description=Path(res.source_file).name if res is not None else "")
+        except BaseException:
+            runner.close(error=True)
+            raise
+        runner.close()
         pool = pa.concat_tables(tables) if tables else PROMPT_SCHEMA.empty_table()
         del tables
         keep = np.ones(pool.num_rows, dtype=bool)
@@ -341,29 +317,57 @@ def run_select(cfg: SelectConfig, run: RunDir, *, seed: int, extra_sources: list
     return manifest
 
 
+def _acct(acct: dict, name: str, source: str, shape: str | None) -> dict:
+    a = acct.setdefault(name, {"source": source, "shape": shape, "input_rows": 0, "selected": 0, "rejected": 0,
+                               "not_selected": 0})
+    a["shape"] = a["shape"] or shape
+    return a
+
+
+def _merge(res, acct: dict, drops: Counter, rejects: "RejectWriter", exact, tables: list, sigs: list) -> None:
+    """Fold one BatchResult into the run: accounting, rejects, then exact dedup (stateful, stream order)."""
+    a = acct[res.source_file]
+    a["input_rows"] += res.num_rows
+    a["rejected"] += len(res.rejects)
+    drops.update(res.drops)
+    for row in res.rejects:
+        rejects.add_row(row)
+    if res.table is None:
+        return
+    table, batch_sigs = res.table, res.sigs
+    if exact is not None:
+        ids = table.column("prompt_id").to_pylist()
+        mask = np.ones(len(ids), dtype=bool)
+        reasons = {}
+        for i, (pid, norm) in enumerate(zip(ids, res.norms)):
+            dec = exact(_Row(pid, norm))
+            if not dec.keep:
+                mask[i] = False
+                reasons[i] = dec
+        if reasons:
+            dup = table.take(pa.array(sorted(reasons), type=pa.int64())).to_pylist()
+            for i, row in zip(sorted(reasons), dup):
+                dec = reasons[i]
+                rejects.add(RejectedRecord(stage=STAGE, filter=exact.name, reason=dec.reason, score=dec.score,
+                                           source=row["source"], source_file=row["source_file"],
+                                           source_row=row["source_row"], prompt_id=row["prompt_id"],
+                                           category=row["category"],
+                                           payload=_payload({"messages": row["messages"], "tools": row["tools"]})))
+            drops[exact.name] += len(reasons)
+            a["rejected"] += len(reasons)
+            table = table.filter(pa.array(mask))
+            batch_sigs = batch_sigs[mask] if batch_sigs is not None else None
+    if table.num_rows:
+        tables.append(table)
+        if batch_sigs is not None:
+            sigs.append(batch_sigs)
+
+
 def _size(path: str) -> int:
     p = Path(path)
     if p.is_dir():
         return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
     return p.stat().st_size
-
-
-def _reject(w: RejectWriter, d, filt: str, reason: str, score, payload: str) -> None:
-    w.add(RejectedRecord(stage=STAGE, filter=filt, reason=reason, score=score, source=d.source,
-                         source_file=d.source_file, source_row=d.source_row, prompt_id=d.prompt_id,
-                         category=d.category, payload=payload))
-
-
-def _to_table(drafts) -> pa.Table:
-    rows = [
-        PromptRecord(
-            prompt_id=d.prompt_id, messages=d.messages, tools=d.tools, category=d.category, language=d.language,
-            source=d.source, source_file=d.source_file, source_row=d.source_row,
-            num_turns=sum(1 for m in d.messages if m["role"] == "user"), num_prompt_tokens=d.num_prompt_tokens,
-        ).to_arrow_row()
-        for d in drafts
-    ]
-    return pa.Table.from_pylist(rows, schema=PROMPT_SCHEMA)
 
 
 def _stack(parts: list[np.ndarray], k: int) -> np.ndarray:
@@ -406,8 +410,13 @@ def _near_reject(row: dict, near, rejects: RejectWriter, acct: dict, drops: Coun
 
 
 class _Row:
-    def __init__(self, prompt_id):
+    """The fields the dedup filters read: prompt_id and the cached normalized conversation text."""
+
+    def __init__(self, prompt_id, norm=None):
         self.prompt_id = prompt_id
+        self.messages = []
+        self.tools = None
+        self.extra = {"norm": norm} if norm is not None else {}
 
 
 def _manifest(cfg, seed, extra, chash, selected, report, drops, acct, parts, rej_parts, pool_rows) -> dict:

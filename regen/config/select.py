@@ -70,6 +70,7 @@ class SelectConfig(BaseModel):
     contamination_ngram: int = 13  # word n-gram size for overlap matching
     contamination_overlap: float = 0.5  # drop when this share of a prompt's n-grams is in the benchmark set
     batch_rows: int = 20_000  # rows per streaming batch
+    workers: int = 2  # processes normalizing and filtering batches (1: in the main process); output is identical
     rows_per_part: int = 50_000  # prompts per output part file
     filters: list[str] = Field(
         default_factory=lambda: [

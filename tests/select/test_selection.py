@@ -139,3 +139,15 @@ def test_empty_file_is_accounted_for(tmp_path):
     files = m["accounting"]["files"]
     assert files[str(tmp_path / "pool" / "b.jsonl")]["input_rows"] == 0
     assert files[str(tmp_path / "pool" / "a.jsonl")]["selected"] == 1
+
+
+def test_workers_do_not_change_the_output(tmp_path):
+    profile = load_profile("local")
+    out = {}
+    for w in (1, 2):
+        run = RunDir.at(tmp_path / f"w{w}")
+        m = run_select(profile.select.model_copy(update={"workers": w, "batch_rows": 500}), run, seed=0, progress=False)
+        ids = [r[0] for r in query(run.root, "SELECT prompt_id FROM prompts")[1]]
+        rej = query(run.root, "SELECT source_file, source_row, filter, reason FROM rejected ORDER BY ALL")[1]
+        out[w] = (ids, rej, m["accounting"], m["filters"])
+    assert out[1] == out[2]
