@@ -34,9 +34,23 @@ def _table(con, sql: str) -> Table:
 
 
 def connect(run_root: str | Path):
-    from regen.query import connect as query_connect
+    """`regen.query.connect`, or when one of its views cannot be made (e.g. the `shards` view over a manifest
+    with an empty shard list), an in-memory connection with every view that can."""
+    import duckdb
 
-    return query_connect(run_root)
+    from regen.query import connect as query_connect
+    from regen.query import view_statements
+
+    try:
+        return query_connect(run_root)
+    except duckdb.Error:
+        con = duckdb.connect()
+        for statement in view_statements(Path(run_root).resolve()):
+            try:
+                con.execute(statement)
+            except duckdb.Error:
+                pass
+        return con
 
 
 def mix_table(con) -> Table:

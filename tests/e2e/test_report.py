@@ -55,3 +55,15 @@ def test_report_in_headless_chromium(tmp_path, chromium):
         assert f'id="plot-{name}"' in dom
     png = screenshot(chromium, page, tmp_path)
     assert png.read_bytes().startswith(b"\x89PNG") and png.stat().st_size > 20_000
+
+
+def test_a_run_whose_rows_were_all_rejected(tmp_path):
+    """An empty shard list (every row dropped) still gives a report (the `shards` view cannot be made)."""
+    import json
+
+    run = make_synthetic_run(tmp_path / "run")
+    (run / "shards" / "shard-00000.parquet").unlink()
+    manifest = json.loads((run / "shards" / "manifest.json").read_text())
+    (run / "shards" / "manifest.json").write_text(json.dumps({**manifest, "shards": []}))
+    text = render_report(run)
+    assert "rows=0" in text and 'id="plot-mix"><img' in text
