@@ -19,8 +19,8 @@ class ServeConfig(BaseModel):
     port: int = 0  # 0 = a free ephemeral port chosen at start
     device: str = "cpu"
     continuous_batching: bool = True  # batch concurrent requests (paged attention)
-    cb_num_blocks: int | None = 32  # KV capacity in 256-token whole-model blocks (32 -> 8K tokens, ~0.3 GB fp32)
-    cb_max_batch_tokens: int | None = 512  # tokens per forward step (prefill chunk); bounds the mask memory
+    cb_num_blocks: int | None = 16  # KV capacity in 256-token whole-model blocks (16 -> 4K tokens per step read)
+    cb_max_batch_tokens: int | None = 256  # tokens per forward step (prefill chunk); bounds the mask memory
     ready_timeout_s: float = 300.0  # start -> /v1/models lists the model
     warmup: bool = True  # one 1-token request before use (the first request initializes the batching cache)
     log_level: str = "info"  # `info` logs one access line per request (the request log)

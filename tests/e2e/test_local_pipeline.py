@@ -17,7 +17,9 @@ from schemas.prompt import CATEGORIES
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 REGEN = str(Path(sys.executable).with_name("regen"))
-SMALL = ["--set", "select.total=24", "--set", "generate.max_tokens=16"]
+# a small prompt count; training (when the profile enables it) for two steps only
+SMALL = ["--set", "select.total=24", "--set", "generate.max_tokens=16", "--set", "train.max_steps=2",
+         "--set", "train.checkpoint_every=2"]
 
 
 def _regen(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
@@ -57,6 +59,15 @@ def test_generations_come_from_the_real_model(local_run):
     assert all(0 < r["num_completion_tokens"] <= 16 for r in rows)
     assert sum(bool(r["content"].strip()) for r in rows) >= len(rows) // 2
     assert _posts(run) >= len(rows) + 1  # served over HTTP: warm-up + one request per row at least
+
+
+def test_training_ran_when_the_profile_enables_it(local_run):
+    from regen.config import load_profile
+
+    run, stdout = local_run
+    if not load_profile("local").train.enabled:
+        pytest.skip("the local profile does not train")
+    assert "== train done" in stdout and any((run / "train").iterdir())
 
 
 def test_every_category_is_present_and_query_prints_the_mix(local_run):

@@ -87,7 +87,7 @@ def test_local_deployment_survives_a_killed_worker(prefect_stack, tmp_path):
     prefect_stack.start_worker()
     run_dir = tmp_path / "local"
     gen_dir, server_log = run_dir / "generations", run_dir / "serve" / "server.log"
-    params = {"run_dir": str(run_dir), "overrides": {
+    params = {"run_dir": str(run_dir), "train": False, "overrides": {  # train: tests/train and tests/e2e
         "select.total": 12, "generate.max_tokens": 16, "generate.max_in_flight": 2}}
     first = prefect_stack.deployment_run("local", params)
 
