@@ -183,7 +183,7 @@ class Runner:
             "request_key": key, "prompt_id": p["prompt_id"], "turn": turn, "category": p["category"],
             "language": p["language"], "model": self.cfg.model, "tools": p["tools"],
             "messages": [message_to_arrow(m) for m in messages] if messages is not None else None,
-            "request_params": self.request_params, "finished_at": int(time.time() * 1000), "flags": [],
+            "request_params": self.request_params, "finished_at": None, "flags": [],
         }
 
     def _fill(self, row: dict, c: Completion | None) -> dict:
@@ -206,6 +206,9 @@ class Runner:
         return rows
 
     async def _record(self, rows: list[dict]) -> None:
+        now_ms = int(time.time() * 1000)
+        for r in rows:
+            r["finished_at"] = now_ms  # when the unit ended, not when its row was started
         await self.ledger.append(rows)
         for r in rows:
             self.metrics.row(r["status"], r.get("error_class"), r.get("flags"))

@@ -35,7 +35,7 @@ VIEWS: dict[str, tuple[str, str]] = {
     ),
     "shards": (
         "shards/manifest.json",
-        "SELECT s.* FROM (SELECT unnest(shards) AS s FROM read_json({files}, maximum_object_size=1000000000))",
+        "SELECT unnest(shards, recursive := true) FROM read_json({files}, maximum_object_size=1000000000)",
     ),
 }
 

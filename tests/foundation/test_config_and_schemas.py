@@ -48,3 +48,17 @@ def test_prompt_id_is_content_hash(tmp_path):
 @pytest.mark.parametrize("mask", [[0, 1, 1, 0, 1], [1, 1, 1], [0, 0], [1, 0, 0, 1]])
 def test_spans_round_trip(mask):
     assert mask_from_spans(spans_from_mask(mask), len(mask)) == mask
+
+
+def test_shards_view_over_an_empty_and_a_filled_manifest(tmp_path):
+    import json
+
+    from regen.query import query
+
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "shards" / "manifest.json").write_text(json.dumps({"shards": [], "complete": False}))
+    assert query(tmp_path, "SELECT count(*) FROM shards")[1] == [(0,)]
+    entry = {"path": "shard-00000.parquet", "rows": 3, "tokens": 50, "sha256": "ab"}
+    (tmp_path / "shards" / "manifest.json").write_text(json.dumps({"shards": [entry], "complete": True}))
+    columns, rows = query(tmp_path, "SELECT path, rows, tokens FROM shards")
+    assert columns == ["path", "rows", "tokens"] and rows == [("shard-00000.parquet", 3, 50)]
