@@ -23,6 +23,16 @@ def _samples(run_dir, rank):
     return [json.loads(x)["sample_ids"] for x in (run_dir / "train" / f"samples-rank{rank}.jsonl").read_text().splitlines()]
 
 
+
+def _loopback_only(cmd: list[str]) -> list[str]:
+    """Run torchrun in a private network namespace with only `lo` up: its rendezvous store binds every
+    interface and has no bind-address option, so this keeps the test's listeners off the machine's network."""
+    import shutil
+
+    if os.geteuid() == 0 and shutil.which("unshare") and shutil.which("ip"):
+        return ["unshare", "--net", "sh", "-c", 'ip link set lo up && exec "$@"', "sh", *cmd]
+    return cmd
+
 def test_two_ranks_equal_one_rank_with_the_same_global_batch(tiny_run, tmp_path):
     profile, run_dir = tiny_run
     two = tmp_path / "two"
@@ -40,7 +50,7 @@ def test_two_ranks_equal_one_rank_with_the_same_global_batch(tiny_run, tmp_path)
            "-m", "regen.train", "--", "--profile", str(profile), "--run", str(two)]
     for c in common + ["train.grad_accum=1"]:
         cmd += ["--set", c]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(_loopback_only(cmd), env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((two / "train" / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 2
