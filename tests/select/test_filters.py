@@ -10,6 +10,7 @@ from filters.dedup import MinHasher, lsh_params, near_duplicates
 from filters.prompt import (ContaminationFilter, ContaminationIndex, EmptyFilter, ExactDedupFilter, ImageOnlyFilter,
                             TokenBudgetFilter, ToolSchemaFilter, prompt_tokens)
 from filters.text import estimate_tokens, normalize_text
+from select_helpers import perturb
 
 
 @dataclass
@@ -108,14 +109,6 @@ def test_exact_dedup_normalizes_and_names_the_first():
     assert normalize_text("Ｈｅｌｌｏ\u3000 World") == "hello world"
 
 
-def _perturb(text, n, rng):
-    chars = list(text)
-    for _ in range(n):
-        i = rng.randrange(len(chars))
-        chars[i] = rng.choice("abcdefghijklmnopqrstuvwxyz")
-    return "".join(chars)
-
-
 def test_minhash_estimates_jaccard_like_datasketch():
     from datasketch import MinHash
 
@@ -124,7 +117,7 @@ def test_minhash_estimates_jaccard_like_datasketch():
             "How many clips did Natalia sell altogether in April and May?")
     mh = MinHasher(num_perm=256)
     for n_changes in (1, 3, 10, 40):
-        other = _perturb(base, n_changes, rng)
+        other = perturb(base, n_changes, rng)
         a, b = normalize_text(base), normalize_text(other)
         sa = {a[i:i + 5] for i in range(len(a) - 4)}
         sb = {b[i:i + 5] for i in range(len(b) - 4)}
@@ -150,7 +143,7 @@ def test_near_duplicates_found_and_distinct_kept():
                 "chose and how the syllables are counted.",
                 "What is the capital of Australia and why was it chosen over Sydney and Melbourne when the "
                 "federation was formed?"]
-    planted = [_perturb(distinct[0], 2, rng), distinct[1].replace("autumn", "Autumn!")]
+    planted = [perturb(distinct[0], 2, rng), distinct[1].replace("autumn", "Autumn!")]
     sig = MinHasher().signatures(distinct + planted + texts[:1])
     dup, match, jac = near_duplicates(sig, 0.8)
     assert dup.tolist() == [3, 4] and match.tolist() == [0, 1] and (jac >= 0.8).all()

@@ -13,6 +13,7 @@ from regen.query import query
 from regen.rundir import RunDir
 from regen.select import largest_remainder, plan_mix, run_select, select_rows
 from schemas.prompt import CATEGORIES
+from select_helpers import perturb
 
 SHARES = {"general": 0.25, "reasoning": 0.2, "coding": 0.2, "tool_use": 0.15, "chinese": 0.1, "multilingual": 0.1}
 
@@ -86,14 +87,6 @@ def test_local_profile_deterministic_by_seed(tmp_path):
     assert again == ma and part.stat().st_mtime_ns == before
 
 
-def _perturb(text, n, rng):
-    chars = list(text)
-    for _ in range(n):
-        i = rng.randrange(len(chars))
-        chars[i] = rng.choice("abcdefghijklmnopqrstuvwxyz")
-    return "".join(chars)
-
-
 def test_planted_exact_and_near_duplicates_removed(repo_root, tmp_path):
     rng = random.Random(3)
     src = repo_root / "data/prompts/gsm8k/train.sample3000.jsonl"
@@ -103,7 +96,7 @@ def test_planted_exact_and_near_duplicates_removed(repo_root, tmp_path):
     for q in originals[:10]:
         planted.append({"question": "  " + q.upper() + "\n"})  # exact after normalization
     for q in originals[10:20]:
-        planted.append({"question": _perturb(q, 2, rng)})  # a few characters changed
+        planted.append({"question": perturb(q, 2, rng)})  # a few characters changed
     p = tmp_path / "planted.jsonl"
     p.write_text("\n".join(json.dumps(x) for x in planted) + "\n")
     cfg = SelectConfig(total=100, sources=[SourceConfig(name="gsm8k", path=str(src), category="reasoning"),
