@@ -9,12 +9,20 @@ Shape legend:
     N  anchors (blocks) per row     K  block_size slots (7): [anchor, MASK, ...]
     Q  N*K block queries            H  draft hidden size (== target hidden size: embeddings are shared)
     Ht target hidden size           T  number of taps (len(target_layer_ids))
-    V  vocabulary                   r  markov_rank
+    V  vocabulary (the target's)    Vd output vocabulary: V, or draft_vocab_size when set
+    r  markov_rank
     nh attention heads              R  rope dims (qk_rope_head_dim)
 
 Slot k (0-based here, 1-based `k` in the spec) of the block anchored at position a predicts x[a+k+1];
 its Markov "previous token" is x[a+k] (the anchor for slot 0; teacher-forced in training, the sampled draft
 token at inference, spec §3).
+
+Reduced draft vocabulary (optional, `draft_vocab_size`; EAGLE-3, Li et al. 2025, arXiv 2503.01840, and
+SpecForge's `draft_vocab_size`; FR-Spec, arXiv 2502.14856, for the frequency ranking): the output layer keeps
+only the lm_head rows of the Vd most frequent supervised tokens of the training data. Buffers follow the
+EAGLE-3 checkpoint convention: `d2t` int64[Vd] with target_id = draft_index + d2t[draft_index] and `t2d`
+bool[V] marking the target ids in the draft vocabulary; inputs (anchor, mask, Markov previous token) stay
+target ids. Off (0) for the K3 presets: the spec's serving contract has the full vocabulary (§8).
 """
 from __future__ import annotations
 
@@ -76,6 +84,7 @@ class DSparkConfig:
     confidence_head_with_markov: bool = True
     eos_token_id: tuple[int, ...] = (163586,)
     pad_token_id: int | None = 163839
+    draft_vocab_size: int = 0  # 0 = the target's full vocabulary; else the reduced output vocabulary (d2t/t2d)
     embed_scale: float = 1.0  # Gemma-style targets scale embeddings by sqrt(H)
     final_logit_softcapping: float | None = None
     tie_word_embeddings: bool = False
@@ -102,6 +111,14 @@ class DSparkConfig:
             raise ValueError(f"markov_head_type {self.markov_head_type!r}: only 'vanilla' is supported (spec §3)")
         if self.block_size < 1 or self.markov_rank < 0 or not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError("block_size >= 1, markov_rank >= 0 and 0 <= mask_token_id < vocab_size required")
+        if not 0 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} must be in [0, vocab_size "
+                             f"{self.vocab_size}] (0 = the full vocabulary)")
+
+    @property
+    def output_vocab_size(self) -> int:
+        """Vd: rows of the draft's lm_head (draft_vocab_size, or vocab_size when it is 0)."""
+        return self.draft_vocab_size or self.vocab_size
 
     @property
     def num_target_layers(self) -> int:
@@ -197,7 +214,8 @@ class DSparkDraft(nn.Module):
     def __init__(self, cfg: DSparkConfig):
         super().__init__()
         self.config = cfg
-        T, Ht, H, V = cfg.num_target_layers, cfg.target_hidden_size, cfg.hidden_size, cfg.vocab_size
+        T, Ht, H, V, Vd = (cfg.num_target_layers, cfg.target_hidden_size, cfg.hidden_size, cfg.vocab_size,
+                           cfg.output_vocab_size)
         if cfg.fc_norm:
             self.fc_norm = nn.ModuleList(RMSNorm(Ht, cfg.rms_norm_eps) for _ in range(T))
         self.context_proj = nn.Linear(T * Ht, H, bias=False)
@@ -207,9 +225,12 @@ class DSparkDraft(nn.Module):
         rope_dim = cfg.qk_rope_head_dim if cfg.attention_type == "mla" else cfg.head_dim
         self.rotary = Rotary(rope_dim, cfg.rope_parameters)
         self.embed_tokens = nn.Embedding(V, H)
-        self.lm_head = nn.Linear(H, V, bias=False)
+        self.lm_head = nn.Linear(H, Vd, bias=False)
+        if cfg.draft_vocab_size:  # EAGLE-3 buffers, filled by set_draft_vocab or a checkpoint
+            self.register_buffer("d2t", torch.zeros(Vd, dtype=torch.long))
+            self.register_buffer("t2d", torch.zeros(V, dtype=torch.bool))
         r = cfg.markov_rank
-        self.markov_head = MarkovHead(V, r) if r > 0 else None
+        self.markov_head = MarkovHead(V, r, Vd) if r > 0 else None
         if cfg.enable_confidence_head:
             extra = r if (cfg.confidence_head_with_markov and r > 0) else 0
             self.confidence_head = ConfidenceHead(H + extra)
@@ -229,12 +250,25 @@ class DSparkDraft(nn.Module):
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
-    def from_target(cls, target_model, cfg: DSparkConfig) -> "DSparkDraft":
+    def from_target(cls, target_model, cfg: DSparkConfig, draft_vocab=None) -> "DSparkDraft":
         """A randomly initialised draft with `embed_tokens`/`lm_head` copied (frozen) from an HF causal LM.
 
-        Raises ValueError when the target's embedding shape differs from (vocab_size, hidden_size).
+        draft_vocab: int64[Vd] target ids of the reduced output vocabulary (required iff cfg.draft_vocab_size;
+        see `regen.draft_vocab`). Raises ValueError when the target's embedding shape differs from
+        (vocab_size, hidden_size) or the draft vocabulary is missing or invalid.
         """
         draft = cls(cfg)
+        if cfg.draft_vocab_size:
+            if draft_vocab is None:
+                raise ValueError(f"draft_vocab_size={cfg.draft_vocab_size} needs the draft vocabulary's target ids "
+                                 "(regen.draft_vocab.select_draft_vocab)")
+            draft.set_draft_vocab(draft_vocab)
+        draft.copy_frozen_from(target_model)
+        return draft
+
+    def copy_frozen_from(self, target_model) -> None:
+        """Copy the target's embeddings and lm_head (its draft-vocabulary rows when reduced) into this draft."""
+        cfg = self.config
         emb = target_model.get_input_embeddings().weight
         head = target_model.get_output_embeddings().weight
         want = (cfg.vocab_size, cfg.hidden_size)
@@ -242,9 +276,48 @@ class DSparkDraft(nn.Module):
             raise ValueError(f"target embeddings {tuple(emb.shape)} / lm_head {tuple(head.shape)} != {want}: "
                              "the draft's hidden_size and vocab_size must equal the target's")
         with torch.no_grad():
-            draft.embed_tokens.weight.copy_(emb.detach().float())
-            draft.lm_head.weight.copy_(head.detach().float())
-        return draft
+            self.embed_tokens.weight.copy_(emb.detach().float())
+            rows = head.detach() if not cfg.draft_vocab_size else head.detach()[self.draft_vocab().to(head.device)]
+            self.lm_head.weight.copy_(rows.float())
+
+    # -- reduced draft vocabulary (EAGLE-3 d2t/t2d) ----------------------------------------------------------
+    def set_draft_vocab(self, target_ids) -> None:
+        """Set the reduced output vocabulary: `target_ids` int64[Vd], unique, each in [0, V). Raises ValueError."""
+        cfg = self.config
+        ids = torch.as_tensor(target_ids, dtype=torch.long).flatten().unique(sorted=True)
+        if ids.numel() != cfg.draft_vocab_size or int(ids[0]) < 0 or int(ids[-1]) >= cfg.vocab_size:
+            raise ValueError(f"draft vocabulary: {ids.numel()} unique ids in [{int(ids[0])}, {int(ids[-1])}]; "
+                             f"want draft_vocab_size={cfg.draft_vocab_size} ids in [0, {cfg.vocab_size})")
+        with torch.no_grad():
+            self.d2t.copy_(ids.to(self.d2t.device) - torch.arange(ids.numel(), device=self.d2t.device))
+            self.t2d.zero_()
+            self.t2d[ids.to(self.t2d.device)] = True
+
+    def draft_vocab(self) -> torch.Tensor | None:
+        """Target ids of the output rows, int64[Vd] ascending; None with the full vocabulary."""
+        if not self.config.draft_vocab_size:
+            return None
+        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
+
+    def to_target_ids(self, idx: torch.Tensor) -> torch.Tensor:
+        """Output-row indices (argmax of the logits) -> target token ids (identity with the full vocabulary)."""
+        return idx if not self.config.draft_vocab_size else idx + self.d2t[idx]
+
+    def to_draft_index(self, target_ids: torch.Tensor) -> torch.Tensor:
+        """Target ids -> output-row indices. Raises ValueError for ids outside the draft vocabulary (mask them
+        out of the loss first: `in_draft_vocab`)."""
+        if not self.config.draft_vocab_size:
+            return target_ids
+        if target_ids.numel() and not bool(self.t2d[target_ids].all()):
+            raise ValueError("supervised target tokens outside the draft vocabulary: mask them out of the loss "
+                             "with DSparkDraft.in_draft_vocab (regen.train does)")
+        return torch.cumsum(self.t2d, 0)[target_ids] - 1
+
+    def in_draft_vocab(self, target_ids: torch.Tensor) -> torch.Tensor:
+        """bool, same shape: which target ids the draft can propose (all True with the full vocabulary)."""
+        if not self.config.draft_vocab_size:
+            return torch.ones_like(target_ids, dtype=torch.bool)
+        return self.t2d[target_ids]
 
     def trainable_parameters(self):
         return [p for p in self.parameters() if p.requires_grad]
@@ -294,13 +367,13 @@ class DSparkDraft(nn.Module):
         return h.view(B, N, K, -1)
 
     def base_logits(self, hidden):
-        """U = lm_head(hidden) (float32), with the target's final logit soft-capping when it has one."""
+        """U = lm_head(hidden): float32[..., Vd], with the target's final logit soft-capping when it has one."""
         logits = self.lm_head(hidden.to(self.lm_head.weight.dtype)).float()
         cap = self.config.final_logit_softcapping
         return torch.tanh(logits / cap) * cap if cap else logits
 
     def markov_bias(self, prev_ids):
-        """B(x_prev) [..., V] (spec §3); zeros-free: returns None when markov_rank == 0."""
+        """B(x_prev) float32[..., Vd] for target ids `prev_ids` (spec §3); None when markov_rank == 0."""
         return None if self.markov_head is None else self.markov_head(prev_ids).float()
 
     def corrected_logits(self, hidden, prev_ids):
@@ -345,6 +418,7 @@ class DSparkDraft(nn.Module):
                 x = logits.argmax()
             else:
                 x = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator)[0]
+            x = self.to_target_ids(x)
             c = self.confidence_logits(h[k], prev)
             conf.append(torch.sigmoid(c) if c is not None else torch.ones((), device=dev))
             tokens.append(x)
@@ -368,7 +442,7 @@ class DSparkDraft(nn.Module):
             logits = self.corrected_logits(h[:, :, k], prev)
             c = self.confidence_logits(h[:, :, k], prev)
             conf.append(torch.sigmoid(c) if c is not None else torch.ones_like(prev, dtype=torch.float32))
-            prev = logits.argmax(-1)
+            prev = self.to_target_ids(logits.argmax(-1))
             tokens.append(prev)
         return torch.stack(tokens, -1), torch.stack(conf, -1).float()
 
@@ -423,12 +497,14 @@ def load_draft(draft_dir: str | Path, target_model=None, map_location="cpu") -> 
 
     d = Path(draft_dir)
     cfg = DSparkConfig.from_json(d / CONFIG_NAME)
-    draft = DSparkDraft.from_target(target_model, cfg) if target_model is not None else DSparkDraft(cfg)
+    draft = DSparkDraft(cfg)
     state = load_file(str(d / WEIGHTS_NAME), device=str(map_location))
     missing, unexpected = draft.load_state_dict(state, strict=False)
     missing = [k for k in missing if not (target_model is not None and k.startswith(FROZEN_PREFIXES))]
     if missing or unexpected:
         raise ValueError(f"{d / WEIGHTS_NAME}: missing weights {missing[:8]}, unexpected {unexpected[:8]}")
+    if target_model is not None:  # after the d2t/t2d buffers are loaded: lm_head rows follow them
+        draft.copy_frozen_from(target_model)
     return draft
 
 

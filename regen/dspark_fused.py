@@ -85,7 +85,7 @@ def fused_vocab_loss(draft, h_MH, prev_M, tgt_M, last_h_UH, pt_idx_M, alpha_M, b
     (detached), e.g. 0.1·w_i·world/Σw.
     """
     cfg = draft.config
-    chunk = chunk_slots or max(1, (1 << 25) // cfg.vocab_size)
+    chunk = chunk_slots or max(1, (1 << 25) // cfg.output_vocab_size)
     if draft.markov_head is not None:
         e = draft.markov_head.markov_w1(prev_M)
         w2 = draft.markov_head.markov_w2.weight

@@ -190,12 +190,16 @@ class DecoderLayer(nn.Module):
 
 
 class MarkovHead(nn.Module):
-    """Vanilla low-rank Markov bias `B(x_prev) = W2(W1[x_prev])` (spec §3)."""
+    """Vanilla low-rank Markov bias `B(x_prev) = W2(W1[x_prev])` (spec §3).
 
-    def __init__(self, vocab: int, rank: int):
+    W1: Embedding(vocab, rank) over target token ids; W2: Linear(rank, out_vocab) onto the draft's output
+    vocabulary (= vocab, or the reduced draft vocabulary of `DSparkConfig.draft_vocab_size`).
+    """
+
+    def __init__(self, vocab: int, rank: int, out_vocab: int | None = None):
         super().__init__()
         self.markov_w1 = nn.Embedding(vocab, rank)
-        self.markov_w2 = nn.Linear(rank, vocab, bias=False)
+        self.markov_w2 = nn.Linear(rank, out_vocab or vocab, bias=False)
 
     def forward(self, prev_ids):
         return self.markov_w2(self.markov_w1(prev_ids))

@@ -103,7 +103,7 @@ def vocab_terms(draft, h_MH, prev_M, tgt_M, last_h_MH, *, chunk_slots: int | Non
     Computed in chunks of slots under activation checkpointing, so peak memory holds one chunk's [m, V]
     logits (a 262k vocabulary makes [M, V] gigabytes), at the price of one more lm_head pass in backward.
     """
-    V = draft.config.vocab_size
+    V = draft.config.output_vocab_size
     m = chunk_slots or max(1, (1 << 25) // V)
     if h_MH.shape[0] <= m or not torch.is_grad_enabled():
         return _slot_terms(draft, h_MH, prev_M, tgt_M, last_h_MH)
@@ -136,6 +136,9 @@ def dspark_loss(draft, batch: dict, features, anchors=None, keep=None, *, genera
     """The DSpark loss for one micro-batch (spec §5). Returns (loss scalar tensor, metrics dict of floats).
 
     batch: `input_ids` int[B, S], `loss_mask` {0,1}[B, S], optional `attention_mask` [B, S], `position_ids`.
+      With a reduced draft vocabulary the loss mask must exclude targets outside it (`DSparkDraft.in_draft_vocab`,
+      as `regen.train.prepare_microbatch` does; EAGLE-3's position mask), else ValueError; p_t is then the
+      target's distribution renormalised over the draft vocabulary (its lm_head rows), as in EAGLE-3.
     features: (taps [B, S, T·Ht], last_hidden [B, S, Ht]) from `regen.target.TargetFeatures.features`
       (last_hidden is the target's final-normed state; p_t = softmax(lm_head(last_hidden)), spec §1).
     anchors/keep: from `sample_anchors` (sampled here with `generator` when None).
@@ -163,7 +166,8 @@ def dspark_loss(draft, batch: dict, features, anchors=None, keep=None, *, genera
 
     sel = w.flatten() > 0  # only supervised slots enter the vocabulary-wide terms
     h_sel = hidden.flatten(0, 2)[sel]
-    prev_sel, tgt_sel, w_sel = prev_ids.flatten()[sel], tgt_ids.flatten()[sel], w.flatten()[sel]
+    prev_sel, w_sel = prev_ids.flatten()[sel], w.flatten()[sel]
+    tgt_sel = draft.to_draft_index(tgt_ids.flatten()[sel])  # output-row indices (== ids with the full vocab)
     denom, world = _global_denominator(w.sum())
     denom = denom.clamp(min=1e-6)
     scale = w_sel / denom * world  # Σ over ranks of Σ scale·term = the global weighted mean (spec §5)

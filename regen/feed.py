@@ -375,6 +375,35 @@ class ShardFeed:
             self.stats["microbatches_dropped"] += len(pending)
             self.epoch, self.consumed = epoch + 1, 0
 
+    def supervised_token_counts(self, vocab_size: int):
+        """int64[vocab_size]: how often each token id is a supervised (loss-masked) token in this feed's training
+        rows, i.e. the shards listed now, held-out and short rows dropped, each row cut to its `max_len` window
+        as training sees it. Reads (and checksums) every listed shard; does not move the feed position.
+        Raises InputError when no shard is listed yet or a row has an id >= vocab_size."""
+        import numpy as np
+
+        got = self._read_manifest()
+        if not got or not got[0]:
+            raise InputError(f"{self.dir / 'manifest.json'}: no shard listed yet to count supervised tokens in")
+        saved = {k: self.stats[k] for k in ("rows_heldout", "rows_short", "rows_truncated")}
+        counts = np.zeros(vocab_size, dtype=np.int64)
+        for i in range(len(got[0])):
+            table = self._table(i)
+            for r in self._shard_refs(i):
+                ids = table.column("input_ids")[r.row].values.to_numpy(zero_copy_only=False)
+                for sp in table.column("loss_spans")[r.row].as_py():
+                    lo, hi = max(sp["start"], r.start), min(sp["end"], r.start + r.num_tokens)
+                    if hi <= lo:
+                        continue
+                    span = ids[lo:hi].astype(np.int64)
+                    if int(span.max()) >= vocab_size:
+                        raise InputError(f"{self._entries[i]['path']} sample {r.sample_id}: token id "
+                                         f"{int(span.max())} >= the target's vocab_size {vocab_size}; the shards "
+                                         "were rendered with another tokenizer than the target's")
+                    counts += np.bincount(span, minlength=vocab_size)
+        self.stats.update(saved)
+        return counts
+
     def count_steps(self, num_epochs: int = 1) -> int:
         """Optimizer steps in `num_epochs` full epochs over the listed shards (metadata only, no position change)."""
         total = 0

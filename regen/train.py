@@ -1,6 +1,6 @@
 """`regen train`: the bundled online trainer. Target hidden states on the fly -> DSpark draft checkpoints.
 
-    regen train --profile local --run runs/local [--follow] [--max-steps N]
+    regen train --profile local --run runs/local [--follow] [--max-steps N] [--out DIR]
     torchrun --nproc_per_node 8 -m regen.train -- --profile kimi-k3 --run runs/k3 --follow
 
 (torchrun needs the `--`: otherwise it reads `--run` as an ambiguous abbreviation of its own `--run-path`.)
@@ -39,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--follow", action="store_true",
                         help="train while `regen render` writes shards; end when its manifest is marked complete")
     parser.add_argument("--max-steps", type=int, default=None, help="optimizer steps (overrides train.max_steps)")
+    parser.add_argument("--out", default=None,
+                        help="training directory (default <run>/train), e.g. runs/local/train-markov0 for an "
+                             "ablation trained on the same shards beside the main draft")
 
 
 def main(args) -> int:
@@ -51,7 +54,7 @@ def main(args) -> int:
     updates = {"seed": cfg.seed if cfg.seed is not None else profile.seed}
     if args.max_steps is not None:
         updates["max_steps"] = args.max_steps
-    summary = run_train(cfg.model_copy(update=updates), run, follow=args.follow)
+    summary = run_train(cfg.model_copy(update=updates), run, follow=args.follow, train_dir=args.out)
     if summary.get("rank", 0) == 0:
         print(json.dumps({k: v for k, v in summary.items() if k != "history"}, indent=2))
     return 0
@@ -75,7 +78,7 @@ def build_draft_config(cfg, target_config):
     common = dict(target_layer_ids=tuple(ids), aux_hidden_stream=cfg.aux_hidden_stream, fc_norm=cfg.fc_norm,
                   block_size=cfg.block_size, markov_rank=cfg.markov_rank, num_anchors=cfg.num_anchors,
                   enable_confidence_head=cfg.enable_confidence_head, loss_decay_gamma=cfg.loss_decay_gamma,
-                  attention_type=cfg.attention_type)
+                  attention_type=cfg.attention_type, draft_vocab_size=cfg.draft_vocab_size)
     if cfg.mask_token_id is not None:
         common["mask_token_id"] = cfg.mask_token_id
     if cfg.draft_preset == "kimi-k3":
@@ -145,11 +148,40 @@ def share_frozen_with_target(draft, target_model, dtype) -> None:
             mine.to(dtype)
 
 
-def prepare_microbatch(mb, seed: int, draft_cfg, device):
+def draft_vocabulary(draft_cfg, feed, resume_from, target_model):
+    """(target ids int64[Vd] or None, report dict or None) of the reduced draft vocabulary (`regen.draft_vocab`).
+
+    A resumed run keeps its checkpoint's vocabulary (the `d2t` weight); a new one takes the Vd most frequent
+    supervised tokens of the feed's training rows, stop tokens always included. Same on every rank.
+    """
+    import torch
+
+    if not draft_cfg.draft_vocab_size:
+        return None, None
+    if resume_from is not None:
+        from safetensors import safe_open
+
+        from regen.dspark import WEIGHTS_NAME
+
+        with safe_open(str(Path(resume_from) / WEIGHTS_NAME), framework="pt") as f:
+            d2t = f.get_tensor("d2t")
+        return d2t + torch.arange(d2t.numel()), {"size": int(d2t.numel()), "from": str(resume_from)}
+    from regen.draft_vocab import select_draft_vocab
+
+    counts = feed.supervised_token_counts(draft_cfg.vocab_size)
+    ids, report = select_draft_vocab(counts, draft_cfg.draft_vocab_size, always=draft_cfg.eos_token_id)
+    log.info("draft vocabulary: %d ids, %d distinct supervised tokens seen, coverage %.4f", report["size"],
+             report["distinct_seen"], report["coverage"])
+    return torch.from_numpy(ids), report
+
+
+def prepare_microbatch(mb, seed: int, draft_cfg, device, t2d=None):
     """(batch dict on `device`, anchors int64[B, N], keep bool[B, N]) for a feed MicroBatch.
 
     Anchors come from a generator seeded by (seed, epoch, global micro-batch index): identical for the same
     sample at any world size and after a resume (spec §5 sampling: uniform without replacement, sorted).
+    t2d: bool[V] of a reduced draft vocabulary (`DSparkDraft.t2d`): tokens outside it leave the loss mask, so
+    no anchor or supervised slot needs one as its target (EAGLE-3's position mask).
     """
     import torch
 
@@ -161,7 +193,8 @@ def prepare_microbatch(mb, seed: int, draft_cfg, device):
         raise InputError(f"sample {mb.sample_ids} has token id {top} >= the target's vocab_size "
                          f"{draft_cfg.vocab_size}: the shards were rendered with another tokenizer than the target's")
     gen = torch.Generator().manual_seed(stable_hash(seed, mb.epoch, mb.index, "anchors") & ((1 << 62) - 1))
-    batch = {"input_ids": mb.input_ids.to(device), "loss_mask": mb.loss_mask.to(device),
+    loss_mask = mb.loss_mask if t2d is None else mb.loss_mask & t2d.cpu()[mb.input_ids]
+    batch = {"input_ids": mb.input_ids.to(device), "loss_mask": loss_mask.to(device),
              "attention_mask": mb.attention_mask.to(device)}
     anchors, keep = sample_anchors(batch["loss_mask"], draft_cfg.num_anchors, gen)
     return batch, anchors, keep
@@ -221,10 +254,12 @@ def reduce_metrics(m: dict) -> dict:
             "grad_norm": m["grad_norm"], "weight": m["weight"]}
 
 
-def run_train(cfg, run, *, follow: bool = False, stop_after_steps: int | None = None) -> dict:
-    """Train a DSpark draft on `run.shards` with online target features; write checkpoints to `run.train`.
+def run_train(cfg, run, *, follow: bool = False, stop_after_steps: int | None = None,
+              train_dir: str | Path | None = None) -> dict:
+    """Train a DSpark draft on `run.shards` with online target features; write checkpoints to `train_dir`
+    (default `run.train`).
 
-    Resumes from `run.train/latest.json` when present. Returns (and on rank 0 writes to summary.json):
+    Resumes from `<train_dir>/latest.json` when present. Returns (and on rank 0 writes to summary.json):
     steps, tokens, tokens_per_s, target_share (fraction of step time in the target forward), first/last
     losses, checkpoint path, feed stats, history (logged metrics). Raises InputError for a missing target
     or shards, a contract mismatch, or `--follow` without train.max_steps. `stop_after_steps` ends this
@@ -250,13 +285,15 @@ def run_train(cfg, run, *, follow: bool = False, stop_after_steps: int | None = 
     owns_group = not dist.is_initialized()
     info = init_distributed(cfg.device)
     try:
-        return _train(cfg, run, info, target_path, follow=follow, stop_after_steps=stop_after_steps)
+        return _train(cfg, run, info, target_path, Path(train_dir) if train_dir else Path(run.train),
+                      follow=follow, stop_after_steps=stop_after_steps)
     finally:
         if owns_group:
             destroy_distributed()
 
 
-def _train(cfg, run, info, target_path: Path, *, follow: bool, stop_after_steps: int | None) -> dict:
+def _train(cfg, run, info, target_path: Path, train_dir: Path, *, follow: bool,
+           stop_after_steps: int | None) -> dict:
     """run_train's body, in the process group `info` (see run_train)."""
     import torch
 
@@ -267,7 +304,7 @@ def _train(cfg, run, info, target_path: Path, *, follow: bool, stop_after_steps:
     from regen.target import TargetContract, TargetFeatures, declared_contract
     from transformers import AutoConfig
 
-    seed, train_dir = cfg.seed, Path(run.train)
+    seed = cfg.seed
     torch.manual_seed(seed)  # identical draft init on every rank
 
     # -- target (frozen) ------------------------------------------------------------------------------------
@@ -283,16 +320,19 @@ def _train(cfg, run, info, target_path: Path, *, follow: bool, stop_after_steps:
             raise InputError(f"{manifest_path}: the shards were rendered with the project's test vocabulary, not "
                              "the target's tokenizer; set render.tokenizer to the target's and re-render")
 
-    # -- draft, sharded -------------------------------------------------------------------------------------
-    draft = DSparkDraft.from_target(target.model, draft_cfg).to(info.device)
-    compute_dtype = _dtype(cfg.dtype, info.device)
-    share_frozen_with_target(draft, target.model, compute_dtype)
-    model = shard_model(make_objective(draft), info, blocks=draft.layers,
-                        param_dtype=None if compute_dtype == torch.float32 else compute_dtype)
-
     # -- data -----------------------------------------------------------------------------------------------
     feed = ShardFeed(run.shards, feed_config(cfg), rank=info.rank, world_size=info.world_size,
                      grad_accum=cfg.grad_accum, follow=follow)
+    resume_from = latest_checkpoint(train_dir)
+    vocab_ids, vocab_report = draft_vocabulary(draft_cfg, feed, resume_from, target.model)
+
+    # -- draft, sharded -------------------------------------------------------------------------------------
+    draft = DSparkDraft.from_target(target.model, draft_cfg, draft_vocab=vocab_ids).to(info.device)
+    compute_dtype = _dtype(cfg.dtype, info.device)
+    share_frozen_with_target(draft, target.model, compute_dtype)
+    t2d = draft.t2d.cpu() if draft_cfg.draft_vocab_size else None
+    model = shard_model(make_objective(draft), info, blocks=draft.layers,
+                        param_dtype=None if compute_dtype == torch.float32 else compute_dtype)
     if cfg.max_steps > 0:
         total_steps = cfg.max_steps
     elif follow:
@@ -310,13 +350,12 @@ def _train(cfg, run, info, target_path: Path, *, follow: bool, stop_after_steps:
                             betas=tuple(cfg.betas), eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total_steps, cfg.warmup_frac, cfg.min_lr_frac))
     step = 0
-    resume_from = latest_checkpoint(train_dir)
     if resume_from is not None:
         step = load_checkpoint(resume_from, model, opt, sched, feed)
         if info.is_main:
             log.info("resumed from %s at step %d", resume_from, step)
     training_meta = {"profile_train": cfg.model_dump(), "target": str(target_path), "world_size": info.world_size,
-                     "shards_manifest": str(manifest_path)}
+                     "shards_manifest": str(manifest_path), "draft_vocab": vocab_report}
 
     # -- loop -----------------------------------------------------------------------------------------------
     history, t_start = [], time.perf_counter()
@@ -330,7 +369,7 @@ def _train(cfg, run, info, target_path: Path, *, follow: bool, stop_after_steps:
         if batch_step is None:
             break
         t0 = time.perf_counter()
-        mbs = [prepare_microbatch(mb, seed, draft_cfg, info.device) for mb in batch_step.microbatches]
+        mbs = [prepare_microbatch(mb, seed, draft_cfg, info.device, t2d) for mb in batch_step.microbatches]
         m = train_step(model, target, opt, mbs, loss_weights=tuple(cfg.loss_weights), grad_clip=cfg.grad_clip)
         sched.step()
         step, steps_here = step + 1, steps_here + 1
@@ -367,6 +406,7 @@ def _train(cfg, run, info, target_path: Path, *, follow: bool, stop_after_steps:
         "loss_first": history[0]["loss"] if history else None, "loss_last": history[-1]["loss"] if history else None,
         "tau_probabilistic_last": history[-1]["tau_probabilistic"] if history else None,
         "checkpoint": str(ckpt), "feed": feed.state_dict(), "feed_stats": feed.stats, "seed": seed,
+        "draft_vocab": vocab_report,
         "history": history,
     }
     if info.is_main:

@@ -28,6 +28,9 @@ class TrainConfig(BaseModel):
     markov_rank: int = 256
     enable_confidence_head: bool = True
     mask_token_id: int | None = None  # null = the preset's (small: vocab_size - 1)
+    # reduced output vocabulary (EAGLE-3 d2t/t2d, regen.draft_vocab): the N most frequent supervised tokens of
+    # the training shards; targets outside it leave the loss. 0 = the target's full vocabulary (K3 serving).
+    draft_vocab_size: int = 0
     draft: dict = Field(default_factory=dict)  # DSparkConfig field overrides
     # objective (spec §5)
     num_anchors: int = 512
@@ -64,3 +67,6 @@ class TrainConfig(BaseModel):
     keep_checkpoints: int = 2
     log_every: int = 10
     log_samples: bool = False  # write train/samples-rank{R}.jsonl: the sample_ids of every step (audit, tests)
+    # the main job's last step (`regen run`): `regen eval` of the trained draft against an untrained one
+    eval_prompts: int = 0  # held-out prompts to measure acc_len on after training; 0 = no eval step
+    eval_max_new_tokens: int = 64
