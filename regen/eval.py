@@ -224,9 +224,13 @@ def evaluate(target, drafts: dict, prompts: list[dict], *, max_new_tokens: int, 
 
 
 def run_eval(cfg, run, *, draft_dir, seed: int | None = None, num_prompts: int = 32, max_new_tokens: int = 64,
-             confidence_threshold: float = 0.0, progress: bool = True) -> dict:
+             confidence_threshold: float = 0.0, progress: bool = True, compare: dict | None = None,
+             out_path: str | Path | None = None) -> dict:
     """Measure the trained draft in `draft_dir` and an untrained draft of the same config (seeded) on the run's
-    held-out prompts; write `<run>/eval.json` atomically and return it.
+    held-out prompts; write `out_path` (default `<run>/eval.json`) atomically and return it.
+
+    compare: {name: draft dir} of further trained drafts of the same target measured on the same prompts and
+    reported under their names (e.g. {"markov_rank_0": ...}, the spec §9 ablation), each with its markov_rank.
 
     cfg: TrainConfig (target path, heldout_fraction, seed); run: RunDir. Raises InputError for a missing
     target, draft or shards, and ContractError when the profile's tap contract differs from the draft's.
@@ -256,7 +260,15 @@ def run_eval(cfg, run, *, draft_dir, seed: int | None = None, num_prompts: int =
     seed = seed if seed is not None else (cfg.seed if getattr(cfg, "seed", None) is not None else 0)
     trained = load_draft(ddir, target_model=target.model).to(dev).eval()
     torch.manual_seed(seed)
-    untrained = DSparkDraft.from_target(target.model, dcfg).to(dev).eval()
+    untrained = DSparkDraft.from_target(target.model, dcfg, draft_vocab=trained.draft_vocab()).to(dev).eval()
+    drafts = {"trained": trained, "untrained": untrained}
+    for name, other in (compare or {}).items():
+        if name in drafts:
+            raise InputError(f"--compare {name}=...: the name {name!r} is taken; choose another")
+        odir = resolve_draft_dir(other)
+        contract.check(TargetContract.from_draft_config(DSparkConfig.from_json(odir / "config.json")),
+                       f"--compare {name}={other}")
+        drafts[name] = load_draft(odir, target_model=target.model).to(dev).eval()
     gen = getattr(target.model, "generation_config", None)
     eos = getattr(gen, "eos_token_id", None) if gen is not None else None
     stop = sorted({*(eos if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else [])),
@@ -266,17 +278,20 @@ def run_eval(cfg, run, *, draft_dir, seed: int | None = None, num_prompts: int =
     if not prompts:
         raise InputError(f"no held-out prompts in {run.shards} at heldout_fraction={fraction}: raise "
                          "train.heldout_fraction (and retrain) or add prompts")
-    res = evaluate(target, {"trained": trained, "untrained": untrained}, prompts, max_new_tokens=max_new_tokens,
+    res = evaluate(target, drafts, prompts, max_new_tokens=max_new_tokens,
                    stop_ids=stop, block_size=dcfg.block_size, confidence_threshold=confidence_threshold,
                    progress=progress)
     target.close()
-    out = {**res, "num_prompts": len(prompts), "seed": seed, "draft": str(ddir), "target": str(cfg.target),
+    out = {**res, "num_prompts": len(prompts), "num_prompts_asked": num_prompts, "seed": seed, "draft": str(ddir), "target": str(cfg.target),
            "heldout_fraction": fraction, "max_new_tokens": max_new_tokens, "block_size": dcfg.block_size,
            "markov_rank": dcfg.markov_rank, "stop_token_ids": stop, "temperature": 0.0,
+           "drafts": {name: {"dir": str(ddir) if name in ("trained", "untrained") else str(resolve_draft_dir(compare[name])),
+                             "markov_rank": d.config.markov_rank, "draft_vocab_size": d.config.draft_vocab_size,
+                             "trained": name != "untrained"} for name, d in drafts.items()},
            "confidence_threshold": confidence_threshold,
            "protocol": "greedy verification, bonus token counted, first (prefill) token not counted (spec §7)",
            "elapsed_s": round(time.perf_counter() - t0, 2)}
-    write_json_atomic(out, run.root / "eval.json")
+    write_json_atomic(out, Path(out_path) if out_path else run.root / "eval.json")
     return out
 
 
@@ -288,6 +303,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--num-prompts", type=int, default=32, help="held-out prompts to evaluate (default 32)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="generated tokens per prompt (default 64)")
     parser.add_argument("--seed", type=int, default=None, help="seed of the untrained draft (default: profile)")
+    parser.add_argument("--compare", action="append", default=[], metavar="NAME=DIR",
+                        help="another trained draft to measure on the same prompts, e.g. markov_rank_0=runs/abl/train "
+                             "(repeatable)")
     parser.add_argument("--confidence-threshold", type=float, default=0.0,
                         help="cut each block before the first slot with confidence < this (default 0: full block)")
 
@@ -303,9 +321,18 @@ def main(args) -> int:
     profile, run = load_profile_from_args(args)
     seed = args.seed if args.seed is not None else (profile.train.seed if profile.train.seed is not None
                                                     else profile.seed)
+    compare = {}
+    for item in args.compare:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            from regen.errors import InputError
+
+            raise InputError(f"--compare {item!r}: write NAME=DIR, e.g. markov_rank_0=runs/ablation/train")
+        compare[name] = path
     out = run_eval(profile.train, run, draft_dir=args.draft, seed=seed, num_prompts=args.num_prompts,
-                   max_new_tokens=args.max_new_tokens, confidence_threshold=args.confidence_threshold)
-    brief = {k: {"acc_len": out[k]["acc_len"], "num_rounds": out[k]["num_rounds"]} for k in ("trained", "untrained")}
+                   max_new_tokens=args.max_new_tokens, confidence_threshold=args.confidence_threshold,
+                   compare=compare)
+    brief = {k: {"acc_len": out[k]["acc_len"], "num_rounds": out[k]["num_rounds"]} for k in out["drafts"]}
     print(json.dumps({**brief, "num_prompts": out["num_prompts"], "seed": out["seed"],
                       "eval_json": str(run.root / "eval.json")}, indent=2))
     return 0

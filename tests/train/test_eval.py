@@ -109,6 +109,37 @@ def test_regen_eval_end_to_end_on_a_tiny_target(tmp_path, tiny_target_dir, shard
                  draft_dir=tmp_path / "ckpt", num_prompts=1, max_new_tokens=4, progress=False)
 
 
+def test_eval_compares_an_ablation_on_the_same_prompts(tmp_path, tiny_target_dir, shard_writer):
+    """`--compare markov_rank_0=DIR`: another draft measured beside trained/untrained, written where asked."""
+    from train_helpers import make_rows
+
+    from regen.config.train import TrainConfig
+    from regen.dspark import DSparkDraft, save_draft, small_config_for_target
+    from regen.eval import run_eval
+    from regen.rundir import RunDir
+    from regen.target import TargetContract, TargetFeatures
+
+    shard_writer.add(make_rows(4, seed=2, vocab=512, min_len=20, max_len=40), complete=True)
+    run = RunDir.at(shard_writer.dir.parent)
+    tf = TargetFeatures.from_pretrained(tiny_target_dir, TargetContract((0, 2)))
+    for rank, name in ((8, "main"), (0, "markov0")):
+        dcfg = small_config_for_target(tf.config, target_layer_ids=(0, 2), markov_rank=rank, block_size=4)
+        save_draft(DSparkDraft.from_target(tf.model, dcfg), tmp_path / name)
+    cfg = TrainConfig(target=str(tiny_target_dir), heldout_fraction=1.0, target_layer_ids=[0, 2])
+    out = run_eval(cfg, run, draft_dir=tmp_path / "main", num_prompts=2, max_new_tokens=8, progress=False,
+                   compare={"markov_rank_0": tmp_path / "markov0"}, out_path=tmp_path / "ablation.json")
+    saved = json.loads((tmp_path / "ablation.json").read_text())
+    assert not (run.root / "eval.json").exists()
+    assert set(saved["drafts"]) == {"trained", "untrained", "markov_rank_0"}
+    assert saved["drafts"]["markov_rank_0"]["markov_rank"] == 0 and saved["drafts"]["trained"]["markov_rank"] == 8
+    assert saved["markov_rank_0"]["num_rounds"] > 0 and out["markov_rank_0"]["acc_len"] >= 1.0
+    from regen.errors import InputError
+
+    with pytest.raises(InputError, match="taken"):
+        run_eval(cfg, run, draft_dir=tmp_path / "main", num_prompts=1, max_new_tokens=4, progress=False,
+                 compare={"untrained": tmp_path / "markov0"})
+
+
 def test_oracle_draft_on_a_real_target_reaches_full_blocks(tiny_target_dir):
     """The replay against a real target: a draft that returns the target's own greedy tokens gets τ = K+1."""
     from regen.eval import greedy_reference
