@@ -3,6 +3,7 @@ sub-config (the same step functions as `regen run`, `regen.pipeline`). No stage 
 
     flow regen(profile="local", run_dir="runs/local", overrides={}, train=None)
       select -> generate (inside the embedded target when serve.enabled) -> filter -> render -> train (optional)
+      -> eval (when train.eval_prompts > 0)
 
 Resume is the stages' own (exactly-once by request key, manifests and cursors), not Prefect's result cache:
 tasks have no cache policy and persist no results, so rerunning the flow on the same `run_dir` finishes what
@@ -104,6 +105,21 @@ def train_task(train: TrainConfig, run_dir: str) -> dict:
     return plain
 
 
+@task(name="eval", **TASK_OPTIONS)
+def eval_task(train: TrainConfig, run_dir: str) -> dict:
+    result = pipeline.step_eval(train, _run(run_dir))
+    print(pipeline.eval_line(result))
+    if "skipped" in result:
+        _publish("eval", f"# Acceptance length\n\n{result['skipped']}\n", "acc_len not measured")
+        return result
+    rows = {name: result[name]["acc_len"] for name in result.get("drafts", {}) if name in result}
+    plain = {**{f"acc_len_{k}": v for k, v in rows.items()}, "num_prompts": result.get("num_prompts"),
+             "max_new_tokens": result.get("max_new_tokens"), "seed": result.get("seed")}
+    _publish("eval", summary.dict_markdown(plain, "Acceptance length (held-out prompts)"),
+             "acc_len of the trained draft vs an untrained one")
+    return plain
+
+
 @flow(name="regen", log_prints=True, persist_result=False)
 def regen(profile: str = "local", run_dir: str = "runs/local", overrides: dict[str, Any] | None = None,
           train: bool | None = None) -> dict:
@@ -122,6 +138,8 @@ def regen(profile: str = "local", run_dir: str = "runs/local", overrides: dict[s
     out["render"] = render_task(render, run_dir)
     if prof.train.enabled:
         out["train"] = train_task(prof.train, run_dir)
+        if prof.train.eval_prompts > 0:
+            out["eval"] = eval_task(prof.train, run_dir)
     return out
 
 

@@ -9,6 +9,8 @@ Steps (each calls one stage entry with its sub-config):
   filter    regen.render.filter_responses(profile.render, run)
   render    regen.render.run_render(profile.render, run)            (rendered, assistant-masked shards)
   train     regen.train.run_train(profile.train, run)               (only when `train.enabled`)
+  eval      regen.eval.run_eval(profile.train, run, draft_dir=run.train) (when `train.eval_prompts` > 0:
+            acc_len of the trained draft and of an untrained one on held-out prompts -> <run>/eval.json)
 then prints the stage counts and runs the DuckDB mix query (`regen.summary.MIX_SQL`) over the run's views.
 
 Resume: each stage resumes from its own outputs (select: same config hash + seed returns its manifest; generate:
@@ -31,7 +33,7 @@ from regen.config.train import TrainConfig
 from regen.rundir import RunDir
 from schemas.io import read_json, write_json_atomic
 
-STEPS = ("select", "generate", "filter", "render", "train")
+STEPS = ("select", "generate", "filter", "render", "train", "eval")
 
 
 def effective_render_config(render: RenderConfig, serve: ServeConfig) -> RenderConfig:
@@ -102,6 +104,24 @@ def step_train(train: TrainConfig, run: RunDir) -> dict:
     return run_train(train, run)
 
 
+def step_eval(train: TrainConfig, run: RunDir) -> dict:
+    """acc_len of the run's latest draft vs an untrained one (`regen.eval.run_eval`); a rerun whose eval.json
+    already measured that checkpoint with the same settings returns it without measuring again. Returns
+    {"skipped": reason} when no shard row is held out (a run of a few prompts)."""
+    from regen.eval import heldout_prompts, resolve_draft_dir, run_eval
+
+    if not heldout_prompts(run, train.heldout_fraction, 1):
+        return {"skipped": f"no held-out prompt among the shards at train.heldout_fraction={train.heldout_fraction}"}
+    draft = resolve_draft_dir(run.train)
+    done = read_json(run.root / "eval.json")
+    if (done and done.get("draft") == str(draft) and done.get("num_prompts_asked") == train.eval_prompts
+            and done.get("max_new_tokens") == train.eval_max_new_tokens):
+        return done
+    out = run_eval(train, run, draft_dir=draft, num_prompts=train.eval_prompts,
+                   max_new_tokens=train.eval_max_new_tokens, progress=False)
+    return out
+
+
 @contextmanager
 def _timed(record: dict, name: str, log):
     t0 = time.time()
@@ -137,6 +157,10 @@ def run_pipeline(profile: Profile, run: RunDir, *, progress: bool = True, log=pr
         if profile.train.enabled:
             with _timed(timings, "train", log):
                 results["train"] = step_train(profile.train, run)
+            if profile.train.eval_prompts > 0:
+                with _timed(timings, "eval", log):
+                    results["eval"] = step_eval(profile.train, run)
+                    log(eval_line(results["eval"]))
         session["status"] = "completed"
     except BaseException as exc:
         session["status"] = f"failed: {type(exc).__name__}"
@@ -147,6 +171,16 @@ def run_pipeline(profile: Profile, run: RunDir, *, progress: bool = True, log=pr
         state["sessions"].append(session)
         write_json_atomic(state, path)
     return results
+
+
+def eval_line(ev: dict) -> str:
+    """One line: acc_len trained vs untrained (and any compared drafts) on n held-out prompts."""
+    if "skipped" in ev:
+        return f"eval skipped: {ev['skipped']}"
+    names = [n for n in ev.get("drafts", {"trained": 0, "untrained": 0})]
+    parts = ", ".join(f"{n} {ev[n]['acc_len']:.3f}" for n in names if ev.get(n, {}).get("acc_len") is not None)
+    return (f"acc_len on {ev.get('num_prompts')} held-out prompts ({ev.get('max_new_tokens')} new tokens, "
+            f"greedy, spec §7): {parts}")
 
 
 def print_summary(run: RunDir) -> None:

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 REGEN = str(Path(sys.executable).with_name("regen"))
 # a small prompt count; training (when the profile enables it) for two steps only
 SMALL = ["--set", "select.total=24", "--set", "generate.max_tokens=16", "--set", "train.max_steps=2",
-         "--set", "train.checkpoint_every=2"]
+         "--set", "train.checkpoint_every=2", "--set", "train.eval_prompts=2", "--set", "train.eval_max_new_tokens=8"]
 
 
 def _regen(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
@@ -68,6 +68,11 @@ def test_training_ran_when_the_profile_enables_it(local_run):
     if not load_profile("local").train.enabled:
         pytest.skip("the local profile does not train")
     assert "== train done" in stdout and any((run / "train").iterdir())
+    assert "== eval done" in stdout
+    if "eval skipped: no held-out prompt" not in stdout:  # 24 prompts at heldout_fraction 0.1: usually 1-4
+        ev = json.loads((run / "eval.json").read_text())
+        assert ev["num_prompts"] >= 1 and ev["trained"]["acc_len"] >= 1.0 and ev["untrained"]["acc_len"] >= 1.0
+        assert f"acc_len on {ev['num_prompts']} held-out prompts" in stdout
 
 
 def test_every_category_is_present_and_query_prints_the_mix(local_run):

@@ -14,8 +14,8 @@ REPO = Path(__file__).resolve().parents[2]
 def test_flow_is_named_regen_and_tasks_do_not_cache():
     assert regen_flow.regen.name == "regen"
     tasks = [regen_flow.select_task, regen_flow.generate_task, regen_flow.filter_task, regen_flow.render_task,
-             regen_flow.train_task]
-    assert [t.name for t in tasks] == ["select", "generate", "filter", "render", "train"]
+             regen_flow.train_task, regen_flow.eval_task]
+    assert [t.name for t in tasks] == ["select", "generate", "filter", "render", "train", "eval"]
     for t in tasks:
         assert t.persist_result is False and t.retries == 0
         assert type(t.cache_policy).__name__ in ("_None", "NoCache", "NONE")
