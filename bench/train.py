@@ -33,15 +33,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
-def synthetic_shards(run_root: Path, *, num_rows: int, length: int, vocab: int, seed: int = 0) -> None:
-    """Random-token rows of `length` tokens, the second half supervised, in one complete shard."""
+def synthetic_shards(run_root: Path, *, num_rows: int, length: int, vocab: int, seed: int = 0,
+                     distinct: int = 3000) -> None:
+    """Random-token rows of `length` tokens, the second half supervised, in one complete shard. Tokens come from
+    `distinct` ids (the main job's shards hold 2,929 distinct supervised tokens), so a reduced draft vocabulary
+    covers them as it covers real data."""
     from schemas.io import write_json_atomic, write_rows_atomic
     from schemas.shard import SHARD_SCHEMA
 
     rng = random.Random(seed)
     rows = []
     for i in range(num_rows):
-        ids = [rng.randrange(5, vocab) for _ in range(length)]
+        ids = [rng.randrange(5, min(vocab, 5 + distinct)) for _ in range(length)]
         rows.append({"sample_id": f"bench-{i}", "prompt_id": f"bench-p{i}", "turn": 0, "category": "bench",
                      "language": "en", "input_ids": ids, "loss_spans": [{"start": length // 2, "end": length}],
                      "num_tokens": length, "num_loss_tokens": length - length // 2})
@@ -110,7 +113,7 @@ def main(argv=None) -> int:
         if args.quick:
             overrides += [f"train.target={tiny_target(work / 'target')}", "train.target_layer_ids=[0,1,2]",
                           "train.mask_token_id=null", "train.max_len=128", "train.max_tokens=512",
-                          "train.max_batch=4"]
+                          "train.max_batch=4", "train.draft_vocab_size=256"]
         cfg = load_profile(args.profile, overrides).train
         run = RunDir.at(work / "run")
         if args.run:
@@ -133,6 +136,7 @@ def main(argv=None) -> int:
             "device": summary["device"], "target": cfg.target if not args.quick else "tiny random (quick)",
             "steps_timed": len(hist), "tokens": tokens, "max_len": cfg.max_len, "max_batch": cfg.max_batch,
             "num_anchors": cfg.num_anchors, "num_draft_layers": cfg.num_draft_layers,
+            "draft_vocab_size": cfg.draft_vocab_size, "dtype": cfg.dtype, "target_dtype": cfg.target_dtype,
             "train_tokens_per_s": round(train_tps, 1), "target_forward_tokens_per_s": round(base_tps, 1),
             "ratio_train_to_target_forward": round(train_tps / base_tps, 4),
             "target_share_of_step_time": round(sum(h["target_s"] for h in hist) / max(1e-9, sum(h["step_s"] for h in hist)), 4),
