@@ -1,7 +1,8 @@
 """Fused vocabulary-wide DSpark terms: CE + L1 and their gradients in one chunked pass (no [M, V] kept).
 
 Spec: shared/docs/dspark.md §5. For M supervised slots with draft hidden h [M, H], Markov rows e = W1[x_prev]
-[M, r], frozen lm_head W [V, H], Markov W2 [V, r] and the target's final-normed state at the same position:
+[M, r], frozen lm_head W [Vd, H], Markov W2 [Vd, r] (Vd = the output vocabulary: V, or the reduced draft
+vocabulary) and the target's final-normed state at the same position:
 
     ℓ = cap(h·Wᵀ) + e·W2ᵀ,  p_d = softmax(ℓ),  p_t = softmax(cap(last_h·Wᵀ))
     ce_i = −log p_d[x*_i],   l1_i = Σ_v |p_d − p_t|   (not halved)

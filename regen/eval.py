@@ -223,14 +223,29 @@ def evaluate(target, drafts: dict, prompts: list[dict], *, max_new_tokens: int, 
     return result
 
 
+RESERVED_NAMES = frozenset({"trained", "untrained", "num_prompts", "num_prompts_asked", "seed", "draft",
+                            "draft_sha256", "target", "heldout_fraction", "max_new_tokens", "block_size",
+                            "markov_rank", "stop_token_ids", "temperature", "drafts", "confidence_threshold",
+                            "protocol", "elapsed_s"})
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def run_eval(cfg, run, *, draft_dir, seed: int | None = None, num_prompts: int = 32, max_new_tokens: int = 64,
              confidence_threshold: float = 0.0, progress: bool = True, compare: dict | None = None,
              out_path: str | Path | None = None) -> dict:
     """Measure the trained draft in `draft_dir` and an untrained draft of the same config (seeded) on the run's
     held-out prompts; write `out_path` (default `<run>/eval.json`) atomically and return it.
 
-    compare: {name: draft dir} of further trained drafts of the same target measured on the same prompts and
-    reported under their names (e.g. {"markov_rank_0": ...}, the spec §9 ablation), each with its markov_rank.
+    compare: {name: draft dir} of further trained drafts of the same target and block size measured on the same
+    prompts and reported under their names (e.g. {"markov_rank_0": ...}, the spec §9 ablation); InputError for
+    a reserved name (`RESERVED_NAMES`), a missing dir or another block size, before the target loads.
 
     cfg: TrainConfig (target path, heldout_fraction, seed); run: RunDir. Raises InputError for a missing
     target, draft or shards, and ContractError when the profile's tap contract differs from the draft's.
@@ -249,6 +264,21 @@ def run_eval(cfg, run, *, draft_dir, seed: int | None = None, num_prompts: int =
 
     dcfg = DSparkConfig.from_json(ddir / "config.json")
     contract = TargetContract.from_draft_config(dcfg)
+    others = {}  # checked before the target loads: a typo costs seconds, not a model load
+    for name, other in (compare or {}).items():
+        if name in RESERVED_NAMES:
+            raise InputError(f"--compare {name}=...: {name!r} is a reserved key of eval.json; choose another name")
+        try:
+            odir = resolve_draft_dir(other)
+        except InputError:
+            raise InputError(f"--compare {name}={other}: no config.json, train/latest.json or latest.json found; "
+                             "give a checkpoint folder or a training directory") from None
+        ocfg = DSparkConfig.from_json(odir / "config.json")
+        contract.check(TargetContract.from_draft_config(ocfg), f"--compare {name}={other}")
+        if ocfg.block_size != dcfg.block_size:
+            raise InputError(f"--compare {name}={other}: block_size {ocfg.block_size} differs from the draft's "
+                             f"{dcfg.block_size}; compare drafts of one block size")
+        others[name] = odir
     if cfg.target_layer_ids:
         contract.check({"target_layer_ids": list(cfg.target_layer_ids),
                         "aux_hidden_stream": cfg.aux_hidden_stream}, "the profile's train section")
@@ -262,12 +292,7 @@ def run_eval(cfg, run, *, draft_dir, seed: int | None = None, num_prompts: int =
     torch.manual_seed(seed)
     untrained = DSparkDraft.from_target(target.model, dcfg, draft_vocab=trained.draft_vocab()).to(dev).eval()
     drafts = {"trained": trained, "untrained": untrained}
-    for name, other in (compare or {}).items():
-        if name in drafts:
-            raise InputError(f"--compare {name}=...: the name {name!r} is taken; choose another")
-        odir = resolve_draft_dir(other)
-        contract.check(TargetContract.from_draft_config(DSparkConfig.from_json(odir / "config.json")),
-                       f"--compare {name}={other}")
+    for name, odir in others.items():
         drafts[name] = load_draft(odir, target_model=target.model).to(dev).eval()
     gen = getattr(target.model, "generation_config", None)
     eos = getattr(gen, "eos_token_id", None) if gen is not None else None
@@ -282,12 +307,14 @@ def run_eval(cfg, run, *, draft_dir, seed: int | None = None, num_prompts: int =
                    stop_ids=stop, block_size=dcfg.block_size, confidence_threshold=confidence_threshold,
                    progress=progress)
     target.close()
-    out = {**res, "num_prompts": len(prompts), "num_prompts_asked": num_prompts, "seed": seed, "draft": str(ddir), "target": str(cfg.target),
+    dirs = {"trained": ddir, "untrained": ddir, **others}
+    out = {**res, "num_prompts": len(prompts), "num_prompts_asked": num_prompts, "seed": seed, "draft": str(ddir),
+           "draft_sha256": _sha256(ddir / "model.safetensors"), "target": str(cfg.target),
            "heldout_fraction": fraction, "max_new_tokens": max_new_tokens, "block_size": dcfg.block_size,
            "markov_rank": dcfg.markov_rank, "stop_token_ids": stop, "temperature": 0.0,
-           "drafts": {name: {"dir": str(ddir) if name in ("trained", "untrained") else str(resolve_draft_dir(compare[name])),
-                             "markov_rank": d.config.markov_rank, "draft_vocab_size": d.config.draft_vocab_size,
-                             "trained": name != "untrained"} for name, d in drafts.items()},
+           "drafts": {name: {"dir": str(dirs[name]), "markov_rank": d.config.markov_rank,
+                             "draft_vocab_size": d.config.draft_vocab_size, "trained": name != "untrained"}
+                      for name, d in drafts.items()},
            "confidence_threshold": confidence_threshold,
            "protocol": "greedy verification, bonus token counted, first (prefill) token not counted (spec §7)",
            "elapsed_s": round(time.perf_counter() - t0, 2)}
@@ -321,13 +348,15 @@ def main(args) -> int:
     profile, run = load_profile_from_args(args)
     seed = args.seed if args.seed is not None else (profile.train.seed if profile.train.seed is not None
                                                     else profile.seed)
+    from regen.errors import InputError
+
     compare = {}
     for item in args.compare:
         name, sep, path = item.partition("=")
         if not sep or not name or not path:
-            from regen.errors import InputError
-
             raise InputError(f"--compare {item!r}: write NAME=DIR, e.g. markov_rank_0=runs/ablation/train")
+        if name in compare:
+            raise InputError(f"--compare {name}=...: given twice; use one name per draft")
         compare[name] = path
     out = run_eval(profile.train, run, draft_dir=args.draft, seed=seed, num_prompts=args.num_prompts,
                    max_new_tokens=args.max_new_tokens, confidence_threshold=args.confidence_threshold,

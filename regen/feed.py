@@ -385,24 +385,45 @@ class ShardFeed:
         got = self._read_manifest()
         if not got or not got[0]:
             raise InputError(f"{self.dir / 'manifest.json'}: no shard listed yet to count supervised tokens in")
-        saved = {k: self.stats[k] for k in ("rows_heldout", "rows_short", "rows_truncated")}
+        saved = {k: (list(v) if isinstance(v, list) else v) for k, v in self.stats.items()}
         counts = np.zeros(vocab_size, dtype=np.int64)
         for i in range(len(got[0])):
-            table = self._table(i)
+            table, spans = self._table(i), []
+            if table is None:  # a bad shard under on_bad_shard=skip: training skips it too
+                continue
             for r in self._shard_refs(i):
                 ids = table.column("input_ids")[r.row].values.to_numpy(zero_copy_only=False)
                 for sp in table.column("loss_spans")[r.row].as_py():
                     lo, hi = max(sp["start"], r.start), min(sp["end"], r.start + r.num_tokens)
-                    if hi <= lo:
-                        continue
-                    span = ids[lo:hi].astype(np.int64)
-                    if int(span.max()) >= vocab_size:
-                        raise InputError(f"{self._entries[i]['path']} sample {r.sample_id}: token id "
-                                         f"{int(span.max())} >= the target's vocab_size {vocab_size}; the shards "
-                                         "were rendered with another tokenizer than the target's")
-                    counts += np.bincount(span, minlength=vocab_size)
-        self.stats.update(saved)
+                    if hi > lo:
+                        spans.append(ids[lo:hi])
+            if not spans:
+                continue
+            tokens = np.concatenate(spans).astype(np.int64)
+            if int(tokens.max()) >= vocab_size:
+                raise InputError(f"{self.dir / self._entries[i]['path']}: token id {int(tokens.max())} >= the "
+                                 f"target's vocab_size {vocab_size}; the shards were rendered with another "
+                                 "tokenizer than the target's")
+            counts += np.bincount(tokens, minlength=vocab_size)
+        self.stats = saved
         return counts
+
+    def listed_shards(self) -> int:
+        """Shards listed in the manifest as last read."""
+        return len(self._entries)
+
+    def wait_for_first_shard(self) -> None:
+        """Poll the manifest (every `poll_s`) until it lists a shard; InputError after `follow_timeout_s` (0 = no
+        limit) without one."""
+        t0 = time.monotonic()
+        while True:
+            got = self._read_manifest()
+            if got and got[0]:
+                return
+            if self.cfg.follow_timeout_s and time.monotonic() - t0 > self.cfg.follow_timeout_s:
+                raise InputError(f"{self.dir / 'manifest.json'}: no shard listed after {self.cfg.follow_timeout_s:.0f} "
+                                 "s; is `regen render` running?")
+            time.sleep(self.cfg.poll_s)
 
     def count_steps(self, num_epochs: int = 1) -> int:
         """Optimizer steps in `num_epochs` full epochs over the listed shards (metadata only, no position change)."""

@@ -114,10 +114,15 @@ def step_eval(train: TrainConfig, run: RunDir) -> dict:
         return {"skipped": f"no held-out prompt among the shards at train.heldout_fraction={train.heldout_fraction}"}
     draft = resolve_draft_dir(run.train)
     done = read_json(run.root / "eval.json")
-    if (done and done.get("draft") == str(draft) and done.get("num_prompts_asked") == train.eval_prompts
-            and done.get("max_new_tokens") == train.eval_max_new_tokens):
+    from regen.eval import _sha256
+
+    same = dict(draft=str(draft), draft_sha256=_sha256(draft / "model.safetensors"), target=str(train.target),
+                num_prompts_asked=train.eval_prompts, max_new_tokens=train.eval_max_new_tokens,
+                heldout_fraction=train.heldout_fraction, seed=train.seed if train.seed is not None else 0,
+                confidence_threshold=0.0)
+    if done and all(done.get(k) == v for k, v in same.items()):
         return done
-    out = run_eval(train, run, draft_dir=draft, num_prompts=train.eval_prompts,
+    out = run_eval(train, run, draft_dir=draft, seed=same["seed"], num_prompts=train.eval_prompts,
                    max_new_tokens=train.eval_max_new_tokens, progress=False)
     return out
 

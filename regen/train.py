@@ -148,31 +148,56 @@ def share_frozen_with_target(draft, target_model, dtype) -> None:
             mine.to(dtype)
 
 
-def draft_vocabulary(draft_cfg, feed, resume_from, target_model):
+def draft_vocabulary(draft_cfg, feed, resume_from, *, follow: bool = False):
     """(target ids int64[Vd] or None, report dict or None) of the reduced draft vocabulary (`regen.draft_vocab`).
 
     A resumed run keeps its checkpoint's vocabulary (the `d2t` weight); a new one takes the Vd most frequent
-    supervised tokens of the feed's training rows, stop tokens always included. Same on every rank.
+    supervised tokens of the feed's training rows, stop tokens always included, chosen on rank 0 and broadcast
+    (ranks may read the manifest at different moments). With `follow`, it waits for the first shard and uses
+    the shards listed then: rows rendered later keep only their supervised tokens inside it. Raises InputError
+    for a checkpoint of another vocabulary size or an impossible size.
     """
     import torch
+    import torch.distributed as dist
 
-    if not draft_cfg.draft_vocab_size:
+    V, Vd = draft_cfg.vocab_size, draft_cfg.draft_vocab_size
+    if not Vd:
         return None, None
     if resume_from is not None:
         from safetensors import safe_open
 
-        from regen.dspark import WEIGHTS_NAME
+        from regen.dspark import CONFIG_NAME, WEIGHTS_NAME
 
+        saved = json.loads((Path(resume_from) / CONFIG_NAME).read_text()).get("draft_vocab_size", 0)
+        if saved != Vd:
+            raise InputError(f"{resume_from}: the checkpoint has draft_vocab_size={saved}, the profile gives {Vd}; "
+                             "resume with the same train.* settings or use a new run directory (or --out)")
         with safe_open(str(Path(resume_from) / WEIGHTS_NAME), framework="pt") as f:
             d2t = f.get_tensor("d2t")
         return d2t + torch.arange(d2t.numel()), {"size": int(d2t.numel()), "from": str(resume_from)}
     from regen.draft_vocab import select_draft_vocab
 
-    counts = feed.supervised_token_counts(draft_cfg.vocab_size)
-    ids, report = select_draft_vocab(counts, draft_cfg.draft_vocab_size, always=draft_cfg.eos_token_id)
-    log.info("draft vocabulary: %d ids, %d distinct supervised tokens seen, coverage %.4f", report["size"],
-             report["distinct_seen"], report["coverage"])
-    return torch.from_numpy(ids), report
+    ids, report = torch.zeros(Vd, dtype=torch.long), None
+    if dist.get_rank() == 0:
+        if follow:
+            feed.wait_for_first_shard()
+        counts = feed.supervised_token_counts(V)
+        try:
+            chosen, report = select_draft_vocab(counts, Vd, always=draft_cfg.eos_token_id)
+        except ValueError as exc:
+            raise InputError(f"train.draft_vocab_size={Vd}: {exc}") from None
+        report["shards_counted"] = feed.listed_shards()
+        ids = torch.from_numpy(chosen)
+        log.info("draft vocabulary: %d ids, %d distinct supervised tokens seen, coverage %.4f", report["size"],
+                 report["distinct_seen"], report["coverage"])
+    if dist.get_world_size() > 1:
+        box = [report]
+        dist.broadcast_object_list(box, src=0)
+        report = box[0]
+        ids = ids.to("cuda" if dist.get_backend() == "nccl" else "cpu")
+        dist.broadcast(ids, src=0)
+        ids = ids.cpu()
+    return ids, report
 
 
 def prepare_microbatch(mb, seed: int, draft_cfg, device, t2d=None):
@@ -180,8 +205,9 @@ def prepare_microbatch(mb, seed: int, draft_cfg, device, t2d=None):
 
     Anchors come from a generator seeded by (seed, epoch, global micro-batch index): identical for the same
     sample at any world size and after a resume (spec §5 sampling: uniform without replacement, sorted).
-    t2d: bool[V] of a reduced draft vocabulary (`DSparkDraft.t2d`): tokens outside it leave the loss mask, so
-    no anchor or supervised slot needs one as its target (EAGLE-3's position mask).
+    t2d: bool[V] of a reduced draft vocabulary (`DSparkDraft.t2d`): tokens outside it leave the loss mask after
+    the anchors are drawn, so no supervised slot has one as its target (EAGLE-3's position mask; the
+    evaluation mask's cumulative product ends a block there).
     """
     import torch
 
@@ -193,11 +219,11 @@ def prepare_microbatch(mb, seed: int, draft_cfg, device, t2d=None):
         raise InputError(f"sample {mb.sample_ids} has token id {top} >= the target's vocab_size "
                          f"{draft_cfg.vocab_size}: the shards were rendered with another tokenizer than the target's")
     gen = torch.Generator().manual_seed(stable_hash(seed, mb.epoch, mb.index, "anchors") & ((1 << 62) - 1))
+    anchors, keep = sample_anchors(mb.loss_mask, draft_cfg.num_anchors, gen)  # an anchor token is only an input
     loss_mask = mb.loss_mask if t2d is None else mb.loss_mask & t2d.cpu()[mb.input_ids]
     batch = {"input_ids": mb.input_ids.to(device), "loss_mask": loss_mask.to(device),
              "attention_mask": mb.attention_mask.to(device)}
-    anchors, keep = sample_anchors(batch["loss_mask"], draft_cfg.num_anchors, gen)
-    return batch, anchors, keep
+    return batch, anchors.to(device), keep.to(device)
 
 
 def train_step(model, target, opt, microbatches, *, loss_weights=(0.1, 0.9, 1.0), grad_clip: float = 1.0) -> dict:
@@ -324,7 +350,7 @@ def _train(cfg, run, info, target_path: Path, train_dir: Path, *, follow: bool,
     feed = ShardFeed(run.shards, feed_config(cfg), rank=info.rank, world_size=info.world_size,
                      grad_accum=cfg.grad_accum, follow=follow)
     resume_from = latest_checkpoint(train_dir)
-    vocab_ids, vocab_report = draft_vocabulary(draft_cfg, feed, resume_from, target.model)
+    vocab_ids, vocab_report = draft_vocabulary(draft_cfg, feed, resume_from, follow=follow)
 
     # -- draft, sharded -------------------------------------------------------------------------------------
     draft = DSparkDraft.from_target(target.model, draft_cfg, draft_vocab=vocab_ids).to(info.device)

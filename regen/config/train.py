@@ -30,7 +30,7 @@ class TrainConfig(BaseModel):
     mask_token_id: int | None = None  # null = the preset's (small: vocab_size - 1)
     # reduced output vocabulary (EAGLE-3 d2t/t2d, regen.draft_vocab): the N most frequent supervised tokens of
     # the training shards; targets outside it leave the loss. 0 = the target's full vocabulary (K3 serving).
-    draft_vocab_size: int = 0
+    draft_vocab_size: int = Field(default=0, ge=0)
     draft: dict = Field(default_factory=dict)  # DSparkConfig field overrides
     # objective (spec §5)
     num_anchors: int = 512

@@ -165,7 +165,7 @@ def test_training_with_a_draft_vocabulary_counts_training_rows_and_resumes_with_
     other = tmp_path / "other"
     shutil.copytree(run_dir / "shards", other / "shards")
     s = run_train(cfg, RunDir.at(run_dir))
-    assert s["draft_vocab"] == report and 0 < report["coverage"] < 1  # 512 ids seen, 200 kept
+    assert s["draft_vocab"] == {**report, "shards_counted": 3} and 0 < report["coverage"] < 1  # 200 of 512 ids
     w = weights(run_dir)
     assert (torch.arange(200) + w["d2t"]).tolist() == ids.tolist()
     run_train(cfg, RunDir.at(other), stop_after_steps=2)
@@ -174,3 +174,38 @@ def test_training_with_a_draft_vocabulary_counts_training_rows_and_resumes_with_
     assert samples(other) == samples(run_dir)
     for k, v in weights(other).items():
         torch.testing.assert_close(v, w[k], rtol=1e-5, atol=1e-6, msg=k)
+    from regen.errors import InputError
+
+    with pytest.raises(InputError, match="draft_vocab_size=200, the profile gives 100"):
+        run_train(train_cfg(profile, max_steps=6, draft_vocab_size=100), RunDir.at(run_dir))
+
+
+def test_follow_waits_for_the_first_shard_to_choose_the_vocabulary(tmp_path, tiny_target):
+    import threading
+    import time
+
+    from test_train import samples
+    from train_helpers import ShardWriter, make_rows, write_profile
+
+    from regen.config import load_profile
+    from regen.rundir import RunDir
+    from regen.train import run_train
+
+    writer = ShardWriter(tmp_path / "run")
+    cfg = load_profile(str(write_profile(tmp_path / "p.yaml", tiny_target, max_steps=1000, epochs=1,
+                                         log_samples=True, draft_vocab_size=300, follow_poll_s=0.1,
+                                         follow_timeout_s=60))).train
+
+    def produce():
+        for k in (0, 1):
+            time.sleep(1.0)
+            writer.add(make_rows(16, seed=k, prefix=f"s{k}"))
+        time.sleep(0.5)
+        writer.write_manifest(True)
+
+    t = threading.Thread(target=produce, daemon=True)
+    t.start()
+    s = run_train(cfg, RunDir.at(tmp_path / "run"), follow=True)  # no manifest yet when it starts
+    t.join()
+    assert s["draft_vocab"]["shards_counted"] == 1 and s["draft_vocab"]["size"] == 300
+    assert {sid for step in samples(tmp_path / "run") for sid in step} == {r["sample_id"] for r in writer.rows}

@@ -135,9 +135,18 @@ def test_eval_compares_an_ablation_on_the_same_prompts(tmp_path, tiny_target_dir
     assert saved["markov_rank_0"]["num_rounds"] > 0 and out["markov_rank_0"]["acc_len"] >= 1.0
     from regen.errors import InputError
 
-    with pytest.raises(InputError, match="taken"):
+    for name in ("untrained", "seed", "drafts"):  # names that would overwrite eval.json's own keys
+        with pytest.raises(InputError, match="reserved"):
+            run_eval(cfg, run, draft_dir=tmp_path / "main", num_prompts=1, max_new_tokens=4, progress=False,
+                     compare={name: tmp_path / "markov0"})
+    dcfg = small_config_for_target(tf.config, target_layer_ids=(0, 2), markov_rank=8, block_size=7)
+    save_draft(DSparkDraft.from_target(tf.model, dcfg), tmp_path / "block7")
+    with pytest.raises(InputError, match="block_size 7"):
         run_eval(cfg, run, draft_dir=tmp_path / "main", num_prompts=1, max_new_tokens=4, progress=False,
-                 compare={"untrained": tmp_path / "markov0"})
+                 compare={"b7": tmp_path / "block7"})
+    with pytest.raises(InputError, match="--compare gone="):
+        run_eval(cfg, run, draft_dir=tmp_path / "main", num_prompts=1, max_new_tokens=4, progress=False,
+                 compare={"gone": tmp_path / "nowhere"})
 
 
 def test_oracle_draft_on_a_real_target_reaches_full_blocks(tiny_target_dir):
