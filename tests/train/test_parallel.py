@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -33,14 +34,16 @@ def _loopback_only(cmd: list[str]) -> list[str]:
         return ["unshare", "--net", "sh", "-c", 'ip link set lo up && exec "$@"', "sh", *cmd]
     return cmd
 
-def test_two_ranks_equal_one_rank_with_the_same_global_batch(tiny_run, tmp_path):
+@pytest.mark.parametrize("draft_vocab_size", [0, 300])  # 300: chosen on rank 0, broadcast
+def test_two_ranks_equal_one_rank_with_the_same_global_batch(tiny_run, tmp_path, draft_vocab_size):
     profile, run_dir = tiny_run
     two = tmp_path / "two"
     import shutil
 
     shutil.copytree(run_dir / "shards", two / "shards")
     # eps large against rounding-level gradients: Adam's first step is ~sign(g), so tiny gradients would flip
-    common = ["train.max_steps=2", "train.log_samples=true", "train.adam_eps=1e-4", "train.lr=1e-2"]
+    common = ["train.max_steps=2", "train.log_samples=true", "train.adam_eps=1e-4", "train.lr=1e-2",
+              f"train.draft_vocab_size={draft_vocab_size}"]
     cfg = load_profile(str(profile), common + ["train.grad_accum=2"]).train
     one = run_train(cfg, RunDir.at(run_dir))
     assert one["world_size"] == 1 and one["steps"] == 2
@@ -62,4 +65,4 @@ def test_two_ranks_equal_one_rank_with_the_same_global_batch(tiny_run, tmp_path)
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6, msg=k)
-    assert summary["loss_last"] == __import__("pytest").approx(one["loss_last"], rel=1e-4)
+    assert summary["loss_last"] == pytest.approx(one["loss_last"], rel=1e-4)
