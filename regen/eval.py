@@ -229,14 +229,6 @@ RESERVED_NAMES = frozenset({"trained", "untrained", "num_prompts", "num_prompts_
                             "protocol", "elapsed_s"})
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def run_eval(cfg, run, *, draft_dir, seed: int | None = None, num_prompts: int = 32, max_new_tokens: int = 64,
              confidence_threshold: float = 0.0, progress: bool = True, compare: dict | None = None,
              out_path: str | Path | None = None) -> dict:
@@ -256,7 +248,7 @@ def run_eval(cfg, run, *, draft_dir, seed: int | None = None, num_prompts: int =
     from regen.dspark import DSparkDraft, load_draft
     from regen.errors import InputError
     from regen.target import TargetContract, TargetFeatures
-    from schemas.io import write_json_atomic
+    from schemas.io import sha256_file, write_json_atomic
 
     t0 = time.perf_counter()
     ddir = resolve_draft_dir(draft_dir)
@@ -309,7 +301,7 @@ def run_eval(cfg, run, *, draft_dir, seed: int | None = None, num_prompts: int =
     target.close()
     dirs = {"trained": ddir, "untrained": ddir, **others}
     out = {**res, "num_prompts": len(prompts), "num_prompts_asked": num_prompts, "seed": seed, "draft": str(ddir),
-           "draft_sha256": _sha256(ddir / "model.safetensors"), "target": str(cfg.target),
+           "draft_sha256": sha256_file(ddir / "model.safetensors"), "target": str(cfg.target),
            "heldout_fraction": fraction, "max_new_tokens": max_new_tokens, "block_size": dcfg.block_size,
            "markov_rank": dcfg.markov_rank, "stop_token_ids": stop, "temperature": 0.0,
            "drafts": {name: {"dir": str(dirs[name]), "markov_rank": d.config.markov_rank,

@@ -118,6 +118,13 @@ class Step:
     microbatches: list[MicroBatch] = field(default_factory=list)
 
 
+def window_spans(spans: list[dict], start: int, length: int) -> list[tuple[int, int]]:
+    """Loss spans [{start, end}] (absolute token positions) cut to the window [start, start + length), as
+    (lo, hi) positions relative to the window; empty cuts are dropped."""
+    cut = ((max(sp["start"], start) - start, min(sp["end"], start + length) - start) for sp in spans)
+    return [(lo, hi) for lo, hi in cut if hi > lo]
+
+
 def stable_hash(*parts) -> int:
     h = hashlib.blake2b(":".join(str(p) for p in parts).encode(), digest_size=8).digest()
     return int.from_bytes(h, "little")
@@ -256,7 +263,7 @@ class ShardFeed:
             start = int(n) - n_kept if cfg.truncate == "left" else 0
             if n_kept < n:
                 self.stats["rows_truncated"] += 1
-            num_loss = sum(max(0, min(s["end"], start + n_kept) - max(s["start"], start)) for s in spans)
+            num_loss = sum(hi - lo for lo, hi in window_spans(spans, start, n_kept))
             if num_loss < cfg.min_loss_tokens:
                 self.stats["rows_short"] += 1
                 continue
@@ -348,10 +355,8 @@ class ShardFeed:
             ids = table.column("input_ids")[r.row].values.to_numpy(zero_copy_only=False)[o:o + n]
             input_ids[b, :n] = torch.from_numpy(ids.astype("int64"))
             attention_mask[b, :n] = True
-            for s in table.column("loss_spans")[r.row].as_py():
-                lo, hi = max(s["start"], o) - o, min(s["end"], o + n) - o
-                if hi > lo:
-                    loss_mask[b, lo:hi] = True
+            for lo, hi in window_spans(table.column("loss_spans")[r.row].as_py(), o, n):
+                loss_mask[b, lo:hi] = True
         return MicroBatch(epoch, index, [r.sample_id for r in refs], input_ids, loss_mask, attention_mask)
 
     def steps(self, num_epochs: int | None = 1) -> Iterator[Step]:
@@ -392,11 +397,9 @@ class ShardFeed:
             if table is None:  # a bad shard under on_bad_shard=skip: training skips it too
                 continue
             for r in self._shard_refs(i):
-                ids = table.column("input_ids")[r.row].values.to_numpy(zero_copy_only=False)
-                for sp in table.column("loss_spans")[r.row].as_py():
-                    lo, hi = max(sp["start"], r.start), min(sp["end"], r.start + r.num_tokens)
-                    if hi > lo:
-                        spans.append(ids[lo:hi])
+                ids = table.column("input_ids")[r.row].values.to_numpy(zero_copy_only=False)[r.start:]
+                spans += [ids[lo:hi] for lo, hi in window_spans(table.column("loss_spans")[r.row].as_py(),
+                                                                 r.start, r.num_tokens)]
             if not spans:
                 continue
             tokens = np.concatenate(spans).astype(np.int64)

@@ -31,7 +31,7 @@ from regen.config.select import SelectConfig
 from regen.config.serve import ServeConfig
 from regen.config.train import TrainConfig
 from regen.rundir import RunDir
-from schemas.io import read_json, write_json_atomic
+from schemas.io import read_json, sha256_file, write_json_atomic
 
 STEPS = ("select", "generate", "filter", "render", "train", "eval")
 
@@ -114,9 +114,7 @@ def step_eval(train: TrainConfig, run: RunDir) -> dict:
         return {"skipped": f"no held-out prompt among the shards at train.heldout_fraction={train.heldout_fraction}"}
     draft = resolve_draft_dir(run.train)
     done = read_json(run.root / "eval.json")
-    from regen.eval import _sha256
-
-    same = dict(draft=str(draft), draft_sha256=_sha256(draft / "model.safetensors"), target=str(train.target),
+    same = dict(draft=str(draft), draft_sha256=sha256_file(draft / "model.safetensors"), target=str(train.target),
                 num_prompts_asked=train.eval_prompts, max_new_tokens=train.eval_max_new_tokens,
                 heldout_fraction=train.heldout_fraction, seed=train.seed if train.seed is not None else 0,
                 confidence_threshold=0.0)
