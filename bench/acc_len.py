@@ -4,9 +4,9 @@
     .venv/bin/python bench/acc_len.py --run runs/local --seeds 0,1      # seed-to-seed spread
     .venv/bin/python bench/acc_len.py --run runs/local --set train.max_steps=500
 
-For each seed, trains the profile's draft (`regen.train.run_train`, the profile's bounded budget) and the same
+For each seed, trains the profile's draft (`regen.train.loop.run_train`, the profile's bounded budget) and the same
 draft with `markov_rank=0` (DFlash-like, spec §3) on the run's shards, into `<run>/bench-acc-len/seed-<s>/`,
-then measures both with `regen.eval.run_eval` (spec §7: greedy verification against the target, bonus token
+then measures both with `regen.train.eval.run_eval` (spec §7: greedy verification against the target, bonus token
 counted) on the same held-out prompts beside an untrained draft of the same config: the baseline, measured in
 the same run. Prints each figure and the ratios trained/untrained and trained/markov_rank_0; writes
 `<run>/bench-acc-len/seed-<s>/eval.json`. Existing checkpoints of a finished budget are reused (delete the
@@ -33,7 +33,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
 def train_once(cfg, run, out: Path) -> dict:
-    from regen.train import run_train
+    from regen.train.loop import run_train
 
     t0 = time.perf_counter()
     summary = run_train(cfg, run, train_dir=out)
@@ -44,7 +44,7 @@ def train_once(cfg, run, out: Path) -> dict:
 def main(argv=None) -> int:
     from regen.config import load_profile
     from regen.errors import InputError
-    from regen.eval import run_eval
+    from regen.train.eval import run_eval
     from regen.rundir import RunDir
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

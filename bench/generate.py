@@ -7,9 +7,9 @@ tokens, one SSE event per token) runs in its own process and answers at once. Ea
 process, so its CPU time (resource.getrusage(RUSAGE_SELF), user + sys, measured around the run only) and
 peak RSS (ru_maxrss) are its own. Clients, at the same concurrency:
 
-  regen      `regen.generate.run_generate` on N single-turn prompts: durability on (journal fsync per
+  regen      `regen.generate.stage.run_generate` on N single-turn prompts: durability on (journal fsync per
              group, Parquet parts, manifest, accounting)
-  transport  `regen.client.ChatClient.complete` alone (no storage): the transport's own cost (aiohttp)
+  transport  `regen.generate.client.ChatClient.complete` alone (no storage): the transport's own cost (aiohttp)
   httpx      raw `httpx.AsyncClient` + aiter_lines + orjson, no storage: the other HTTP stack, measured to choose
   baseline   `openai.AsyncOpenAI` + `asyncio.Semaphore`, results kept in a list and written as JSONL at the end
 
@@ -84,7 +84,7 @@ def client_main(args) -> None:
     peak = None  # requests in flight at once, where the client can tell
     if args.client == "regen":
         from regen.config.generate import GenerateConfig
-        from regen.generate import run_generate
+        from regen.generate.stage import run_generate
         from regen.rundir import RunDir
 
         root = Path(tempfile.mkdtemp(prefix="regen-bench-")) / "run"
@@ -99,7 +99,7 @@ def client_main(args) -> None:
         peak = m["metrics"]["peak_in_flight"]
         assert m["accounting"]["generated"] == n, m["accounting"]
     elif args.client == "transport":
-        from regen.client import ChatClient
+        from regen.generate.client import ChatClient
 
         async def go():
             nonlocal tokens, peak

@@ -4,7 +4,7 @@
 
 Rows: N generation rows built from the bundled prompt texts (`/work/shared/data/prompts`: English, Chinese,
 code, tool schemas), deterministic (seed 0): a user prompt, long reasoning, an answer, some with history and
-tool calls; as dicts, the way `regen.render` reads them from `generations/part-*.parquet`.
+tool calls; as dicts, the way `regen.render.stage` reads them from `generations/part-*.parquet`.
 
 Measured in one process (CPU time, so "per core"), in the same run, interleaved `--repeat` times (best of each,
 the machine is shared):
@@ -13,7 +13,7 @@ the machine is shared):
             --tokenizer names a real checkpoint)
   render    `RowRenderer.sample` (conversation rebuild, checks, segment rendering, mask spans, sample_id) +
             `ShardWriter` (Arrow conversion, zstd Parquet, fsync, sha256) for every row
-  stage     `regen.render.run_render` end to end on the same rows in Parquet (loading the tokenizer, reading,
+  stage     `regen.render.stage.run_render` end to end on the same rows in Parquet (loading the tokenizer, reading,
             sorting, checkpoints, manifest), response filters off, then with the default filters (reported, not
             in the ratio)
 With `--renderer hf` the baseline is the Hugging Face tokenizer's own encoding of the rendered text.
@@ -101,10 +101,10 @@ def cpu() -> float:
 
 def bench(args) -> dict:
     from regen.config.render import RenderConfig
-    from regen.render import make_renderer, run_render
-    from regen.render_rows import RowRenderer, conversation_of
+    from regen.render.stage import make_renderer, run_render
+    from regen.render.rows import RowRenderer, conversation_of
     from regen.rundir import RunDir
-    from regen.shards import ShardWriter
+    from regen.render.shards import ShardWriter
     from render_fixtures import write_generations
 
     kwargs = {"thinking": True, "thinking_effort": "max"} if args.renderer == "kimi-k3" else {}

@@ -1,4 +1,4 @@
-"""Benchmark the embedded target (`transformers serve`, regen.serve.EmbeddedTarget): time to ready, server RSS,
+"""Benchmark the embedded target (`transformers serve`, regen.serve.server.EmbeddedTarget): time to ready, server RSS,
 and output tokens/s at 1 request in flight (the baseline) and at 8 and 16 concurrent requests.
 
     .venv/bin/python -P bench/serve_target.py [--quick] [--max-tokens 64] [--set serve.cb_num_blocks=64 ...]
@@ -20,7 +20,7 @@ import httpx
 import psutil
 
 from regen.config.serve import ServeConfig
-from regen.serve import EmbeddedTarget
+from regen.serve.server import EmbeddedTarget
 
 PROMPTS = [
     "Write a short story about a lighthouse keeper.",

@@ -4,7 +4,7 @@
     .venv/bin/python bench/train.py --quick         # a tiny random target built here (seconds)
     .venv/bin/python bench/train.py --run runs/local --steps 20   # on a run's real shards
 
-Runs `regen.train.run_train` unchanged (device auto: CUDA when present, else CPU; one process) on shards of
+Runs `regen.train.loop.run_train` unchanged (device auto: CUDA when present, else CPU; one process) on shards of
 the configured length (synthetic random tokens unless --run is given), then measures the baseline in the same
 process: the target's forward pass alone (`TargetFeatures.features`) over the same number of tokens. Prints
 training tokens/s, target-forward tokens/s, their ratio, and the share of training step time spent in the
@@ -49,7 +49,7 @@ def synthetic_shards(run_root: Path, *, num_rows: int, length: int, vocab: int, 
                      "language": "en", "input_ids": ids, "loss_spans": [{"start": length // 2, "end": length}],
                      "num_tokens": length, "num_loss_tokens": length - length // 2})
     info = write_rows_atomic(rows, run_root / "shards" / "shard-00000.parquet", SHARD_SCHEMA)
-    write_json_atomic({"schema": "regen.shards", "shards": [info], "complete": True, "status": "complete"},
+    write_json_atomic({"schema": "regen.render.shards", "shards": [info], "complete": True, "status": "complete"},
                       run_root / "shards" / "manifest.json")
 
 
@@ -69,10 +69,10 @@ def target_forward_baseline(cfg, run, steps: int) -> float:
     import torch
 
     from regen.config import resolve_path
-    from regen.feed import ShardFeed
-    from regen.parallel import resolve_device
-    from regen.target import TargetContract, TargetFeatures
-    from regen.train import _dtype, build_draft_config, feed_config
+    from regen.train.feed import ShardFeed
+    from regen.train.parallel import resolve_device
+    from regen.train.target import TargetContract, TargetFeatures
+    from regen.train.loop import _dtype, build_draft_config, feed_config
     from transformers import AutoConfig
 
     device = resolve_device(cfg.device)
@@ -103,7 +103,7 @@ def main(argv=None) -> int:
 
     from regen.config import load_profile
     from regen.rundir import RunDir
-    from regen.train import run_train
+    from regen.train.loop import run_train
 
     steps = args.steps or (6 if args.quick else 12)
     work = Path(tempfile.mkdtemp(prefix="bench-train-"))

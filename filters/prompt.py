@@ -1,7 +1,7 @@
 """Prompt filters of `regen select`: each scores a prompt draft, decides with a threshold, and says why.
 
 A record is any object with `messages` (OpenAI dicts), `tools` (OpenAI tools or None), `text`
-(system + user text) and `prompt_id` (`regen.sources.Draft`). Filters are built from the select config
+(system + user text) and `prompt_id` (`regen.select.sources.Draft`). Filters are built from the select config
 with `from_config(cfg)`; the pipeline runs them in the config's `filters` order and writes every drop to
 `rejected/select/` with the filter's name and reason. Registry: `PROMPT_FILTERS` (a literal dict).
 

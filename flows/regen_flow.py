@@ -22,7 +22,8 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
-from regen import pipeline, summary
+from regen import pipeline
+from regen.report import summary
 from regen.config import load_profile, resolve_path
 from regen.config.generate import GenerateConfig
 from regen.config.render import RenderConfig

@@ -3,15 +3,15 @@
     regen run --profile local --run runs/local [--set select.total=24 --set generate.max_tokens=16] [--no-progress]
 
 Steps (each calls one stage entry with its sub-config):
-  select    regen.select.run_select(profile.select, run, seed=profile.seed)
-  generate  regen.generate.run_generate(profile.generate, run, endpoints=...) -- when `serve.enabled`, inside
-            `regen.serve.EmbeddedTarget(profile.serve)`, with `model` and `endpoints` set to the served ones
-  filter    regen.render.filter_responses(profile.render, run)
-  render    regen.render.run_render(profile.render, run)            (rendered, assistant-masked shards)
-  train     regen.train.run_train(profile.train, run)               (only when `train.enabled`)
-  eval      regen.eval.run_eval(profile.train, run, draft_dir=run.train) (when `train.eval_prompts` > 0:
+  select    regen.select.stage.run_select(profile.select, run, seed=profile.seed)
+  generate  regen.generate.stage.run_generate(profile.generate, run, endpoints=...) -- when `serve.enabled`, inside
+            `regen.serve.server.EmbeddedTarget(profile.serve)`, with `model` and `endpoints` set to the served ones
+  filter    regen.render.stage.filter_responses(profile.render, run)
+  render    regen.render.stage.run_render(profile.render, run)            (rendered, assistant-masked shards)
+  train     regen.train.loop.run_train(profile.train, run)               (only when `train.enabled`)
+  eval      regen.train.eval.run_eval(profile.train, run, draft_dir=run.train) (when `train.eval_prompts` > 0:
             acc_len of the trained draft and of an untrained one on held-out prompts -> <run>/eval.json)
-then prints the stage counts and runs the DuckDB mix query (`regen.summary.MIX_SQL`) over the run's views.
+then prints the stage counts and runs the DuckDB mix query (`regen.report.summary.MIX_SQL`) over the run's views.
 
 Resume: each stage resumes from its own outputs (select: same config hash + seed returns its manifest; generate:
 the request ledger never asks for a recorded (prompt, turn) again; render: its cursor). Rerunning the command on
@@ -44,7 +44,7 @@ def effective_render_config(render: RenderConfig, serve: ServeConfig) -> RenderC
 
 
 def step_select(select: SelectConfig, run: RunDir, *, seed: int, progress: bool = True) -> dict:
-    from regen.select import run_select
+    from regen.select.stage import run_select
 
     return run_select(select, run, seed=seed, progress=progress)
 
@@ -56,11 +56,11 @@ def step_generate(generate: GenerateConfig, serve: ServeConfig, run: RunDir, *, 
     The served model id and URL replace `generate.model` and `generate.endpoints`. The server's log (one access
     line per request) goes to `<run>/serve/server.log`, appended across sessions.
     """
-    from regen.generate import run_generate
+    from regen.generate.stage import run_generate
 
     if not serve.enabled:
         return run_generate(generate, run, progress=progress)
-    from regen.serve import EmbeddedTarget
+    from regen.serve.server import EmbeddedTarget
 
     served = generate.model_copy(update={"model": EmbeddedTarget(serve).model})
     if generation_complete(served, run):  # nothing left to ask: no server start (a rerun of a finished run)
@@ -75,7 +75,7 @@ def step_generate(generate: GenerateConfig, serve: ServeConfig, run: RunDir, *, 
 def generation_complete(generate: GenerateConfig, run: RunDir) -> bool:
     """True when `run_generate(generate, run)` would return its manifest without sending a request (the same
     test it makes: a complete manifest with this request config, no journal, balanced accounting)."""
-    from regen.generate import accounting, config_hash, prompt_files
+    from regen.generate.stage import accounting, config_hash, prompt_files
 
     old = run.manifest(run.generations)
     if not (old and old.get("complete") and old.get("config_hash") == config_hash(generate)):
@@ -87,28 +87,28 @@ def generation_complete(generate: GenerateConfig, run: RunDir) -> bool:
 
 
 def step_filter(render: RenderConfig, run: RunDir, *, progress: bool = True) -> dict:
-    from regen.render import filter_responses
+    from regen.render.stage import filter_responses
 
     return filter_responses(render, run, progress=progress)
 
 
 def step_render(render: RenderConfig, run: RunDir, *, progress: bool = True) -> dict:
-    from regen.render import run_render
+    from regen.render.stage import run_render
 
     return run_render(render, run, progress=progress)
 
 
 def step_train(train: TrainConfig, run: RunDir) -> dict:
-    from regen.train import run_train
+    from regen.train.loop import run_train
 
     return run_train(train, run)
 
 
 def step_eval(train: TrainConfig, run: RunDir) -> dict:
-    """acc_len of the run's latest draft vs an untrained one (`regen.eval.run_eval`); a rerun whose eval.json
+    """acc_len of the run's latest draft vs an untrained one (`regen.train.eval.run_eval`); a rerun whose eval.json
     already measured that checkpoint with the same settings returns it without measuring again. Returns
     {"skipped": reason} when no shard row is held out (a run of a few prompts)."""
-    from regen.eval import heldout_prompts, resolve_draft_dir, run_eval
+    from regen.train.eval import heldout_prompts, resolve_draft_dir, run_eval
 
     if not heldout_prompts(run, train.heldout_fraction, 1):
         return {"skipped": f"no held-out prompt among the shards at train.heldout_fraction={train.heldout_fraction}"}
@@ -188,8 +188,8 @@ def eval_line(ev: dict) -> str:
 
 def print_summary(run: RunDir) -> None:
     """Stage counts, generation outcomes, rejects and the mix (with the SQL that makes it)."""
-    from regen import summary
-    from regen.query import print_table
+    from regen.report import summary
+    from regen.report.query import print_table
 
     counts = summary.stage_counts(run.root)
     for stage, c in counts.items():
@@ -204,14 +204,14 @@ def print_summary(run: RunDir) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from regen.cli import add_profile_arguments
+    from regen.config import add_profile_arguments
 
     add_profile_arguments(parser)
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
 def main(args) -> int:
-    from regen.cli import load_profile_from_args
+    from regen.config import load_profile_from_args
 
     profile, run = load_profile_from_args(args)
     print(f"regen run: profile {profile.name}, run directory {run.root}", flush=True)

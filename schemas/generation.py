@@ -16,7 +16,7 @@ STATUSES = ("ok", "error", "skipped")
 
 GENERATION_SCHEMA = pa.schema(
     [
-        ("request_key", pa.string()),  # sha256 of everything that changes the answer (see regen.generate)
+        ("request_key", pa.string()),  # sha256 of everything that changes the answer (see regen.generate.stage)
         ("prompt_id", pa.string()),
         ("turn", pa.int32()),
         ("status", pa.string()),  # ok | error | skipped

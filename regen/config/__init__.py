@@ -6,6 +6,7 @@ Unknown keys are errors that name the key and the allowed ones.
 """
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import yaml
@@ -98,3 +99,21 @@ def resolve_path(value: str | None) -> Path | None:
 
     p = Path(os.path.expandvars(os.path.expanduser(value)))
     return p if p.is_absolute() else REPO_ROOT / p
+
+
+def add_profile_arguments(parser: argparse.ArgumentParser, run_required: bool = True) -> None:
+    """The arguments every stage takes: --profile, --run and repeated --set overrides."""
+    parser.add_argument("--profile", default="local", help="profile name in data/profiles/ or a .yaml path")
+    parser.add_argument("--run", required=run_required, help="run directory, e.g. runs/local")
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="override a profile field, e.g. --set select.total=300 (repeatable)",
+    )
+
+
+def load_profile_from_args(args):
+    """(Profile, RunDir) from parsed `--profile/--run/--set` arguments."""
+    from regen.rundir import RunDir
+
+    profile = load_profile(args.profile, args.overrides)
+    return profile, RunDir.at(args.run)

@@ -1,7 +1,7 @@
 """Sub-config of `regen generate` (owned by the regeneration client).
 
 Every field has a default; profiles set only what differs. Times are seconds. Quality classes and their
-policies are defined in `regen.checks` (QUALITY_CLASSES, POLICIES).
+policies are defined in `regen.generate.checks` (QUALITY_CLASSES, POLICIES).
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Sub-config of `regen select` (owned by the selection stage).
 
-Every field has a default; profiles set only what differs. See `regen.select` for the pipeline and the
-selection policy, `regen.shapes` for the recognized row shapes and `filters.prompt` for the filters.
+Every field has a default; profiles set only what differs. See `regen.select.stage` for the pipeline and the
+selection policy, `regen.select.shapes` for the recognized row shapes and `filters.prompt` for the filters.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Sub-config of `regen train` / `regen eval` (owned by the trainer).
 
-Draft presets: `small` builds a draft sized from the target's config (`regen.dspark.small_config_for_target`,
-spec §9); `kimi-k3` is the full-size K3 MLA draft (`regen.dspark.kimi_k3_config`, spec §2/§8). `draft` holds
+Draft presets: `small` builds a draft sized from the target's config (`regen.train.model.small_config_for_target`,
+spec §9); `kimi-k3` is the full-size K3 MLA draft (`regen.train.model.kimi_k3_config`, spec §2/§8). `draft` holds
 DSparkConfig field overrides applied on top of either (e.g. `{hidden_size: 7168, num_hidden_layers: 5}`).
 Training defaults follow the DS Qwen3-4B recipe (spec §6): AdamW, warmup 4 %, cosine, grad clip 1.0, wd 0.
 """
@@ -28,7 +28,7 @@ class TrainConfig(BaseModel):
     markov_rank: int = 256
     enable_confidence_head: bool = True
     mask_token_id: int | None = None  # null = the preset's (small: vocab_size - 1)
-    # reduced output vocabulary (EAGLE-3 d2t/t2d, regen.draft_vocab): the N most frequent supervised tokens of
+    # reduced output vocabulary (EAGLE-3 d2t/t2d, regen.train.draft_vocab): the N most frequent supervised tokens of
     # the training shards; targets outside it leave the loss. 0 = the target's full vocabulary (K3 serving).
     draft_vocab_size: int = Field(default=0, ge=0)
     draft: dict = Field(default_factory=dict)  # DSparkConfig field overrides
@@ -50,7 +50,7 @@ class TrainConfig(BaseModel):
     seed: int | None = None  # null = the profile's seed
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # draft compute dtype: auto (bf16 on cuda, fp32 on cpu) | float32 | bfloat16
-    # data feed (regen.feed)
+    # data feed (regen.train.feed)
     max_len: int = 4096  # tokens per row (longer rows are truncated)
     truncate: str = "right"  # right: keep a long row's first max_len tokens (DS); left: keep its last max_len
     max_tokens: int = 16384  # padded tokens per micro-batch
@@ -58,7 +58,7 @@ class TrainConfig(BaseModel):
     shuffle_buffer: int = 1024
     bucket_window: int = 256
     min_loss_tokens: int = 14
-    heldout_fraction: float = 0.05  # prompts kept out of training for `regen eval` (regen.eval.is_heldout)
+    heldout_fraction: float = 0.05  # prompts kept out of training for `regen eval` (regen.train.eval.is_heldout)
     on_bad_shard: str = "error"  # error | skip
     follow_poll_s: float = 10.0
     follow_timeout_s: float = 0.0  # 0 = wait for the finished marker without limit

@@ -1,5 +1,5 @@
 """A real OpenAI-compatible chat-completions server on loopback that answers deterministically and injects
-faults on command: the counterpart of `regen.client` in tests and benchmarks.
+faults on command: the counterpart of `regen.generate.client` in tests and benchmarks.
 
     python -m regen.testing.openai_server --host 127.0.0.1 --port 0 [--log-file F] [--faults '{"429": 0.1}']
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from e2e_helpers import dump_dom
 
-from regen.summary import MIX_SQL
+from regen.report.summary import MIX_SQL
 from schemas.prompt import CATEGORIES
 
 pytestmark = pytest.mark.slow

@@ -6,7 +6,7 @@ import base64
 import re
 
 from regen import cli
-from regen.report import render_report, write_report
+from regen.report.html import render_report, write_report
 from e2e_helpers import dump_dom, make_synthetic_run, screenshot
 
 PLOTS = ["mix", "languages", "prompt_tokens", "response_tokens", "finish_reasons", "rejects", "throughput", "drift"]

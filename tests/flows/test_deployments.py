@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from prefect_stack import REPO, kill_tree
 
-from regen import ledger
+from regen.generate import ledger
 
 pytestmark = pytest.mark.slow
 SECRET = "sk-test-never-in-outputs-0123456789"

@@ -53,7 +53,7 @@ def test_spans_round_trip(mask):
 def test_shards_view_over_an_empty_and_a_filled_manifest(tmp_path):
     import json
 
-    from regen.query import query
+    from regen.report.query import query
 
     (tmp_path / "shards").mkdir()
     (tmp_path / "shards" / "manifest.json").write_text(json.dumps({"shards": [], "complete": False}))

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import conversations, fast_config, write_prompts
 from regen.errors import InputError
-from regen.generate import run_generate
+from regen.generate.stage import run_generate
 
 pytestmark = pytest.mark.timeout(120)
 

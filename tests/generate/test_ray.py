@@ -6,8 +6,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import conversations, fast_config, write_prompts
-from regen import ledger
-from regen.generate import run_generate
+from regen.generate import ledger
+from regen.generate.stage import run_generate
 from regen.rundir import RunDir
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -24,7 +24,7 @@ def rows(run: RunDir) -> dict:
 def test_ray_actors_give_the_same_result_as_local(server, tmp_path, monkeypatch):
     import psutil
 
-    from regen import ray_generate
+    from regen.generate import ray_runner as ray_generate
 
     listeners = []
     original = ray_generate.init_ray

@@ -7,13 +7,13 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
-from regen import ledger
-from regen.checks import Completion, check_completion, classify_status
-from regen.client import backoff_delay, parse_retry_after
+from regen.generate import ledger
+from regen.generate.checks import Completion, check_completion, classify_status
+from regen.generate.client import backoff_delay, parse_retry_after
 from regen.config.generate import GenerateConfig, RetryConfig
-from regen.conversation import next_segment, request_body, request_key, turn_positions
+from regen.generate.conversation import next_segment, request_body, request_key, turn_positions
 from regen.errors import InputError
-from regen.generate import resolve_endpoints
+from regen.generate.stage import resolve_endpoints
 
 
 @pytest.mark.parametrize("status,code,klass", [
@@ -163,8 +163,8 @@ def test_recover_drops_journal_rows_already_in_a_part(tmp_path):
 
 
 def test_odd_server_fields_are_normalized_or_malformed():
-    from regen.checks import RequestFailure
-    from regen.client import _normalize
+    from regen.generate.checks import RequestFailure
+    from regen.generate.client import _normalize
 
     c = _normalize(Completion(content=[{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
                               tool_calls=[{"id": "x", "index": 0, "function": {"name": "f", "arguments": {"k": 1}}}],

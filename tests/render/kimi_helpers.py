@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from regen.kimi_k3 import KimiK3Renderer
+from regen.render.kimi_k3.renderer import KimiK3Renderer
 
 
 @pytest.fixture(scope="module")

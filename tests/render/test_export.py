@@ -13,8 +13,8 @@ import pytest
 from regen.cli import main as cli_main
 from regen.config.render import RenderConfig
 from regen.errors import InputError
-from regen.export import run_export
-from regen.render import run_render
+from regen.render.export import run_export
+from regen.render.stage import run_render
 from regen.rundir import RunDir
 from render_fixtures import generation_row, write_generations
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from regen.errors import InputError
-from regen.hf_template import HFTemplateRenderer, TemplateNotPrefixStable
+from regen.render.hf_template import HFTemplateRenderer, TemplateNotPrefixStable
 from render_fixtures import CHATML_MARKERS_TEMPLATE, CHATML_TEMPLATE, UNSTABLE_TEMPLATE
 
 CONV = [

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kimi_helpers import kimi  # noqa: F401  (fixture)
-from regen.kimi_k3 import KimiK3Renderer, RenderError
+from regen.render.kimi_k3.renderer import KimiK3Renderer, RenderError
 
 U = {"role": "user", "content": "q"}
 CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}

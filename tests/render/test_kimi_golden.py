@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kimi_helpers import expected_ids, kimi  # noqa: F401  (fixture)
-from regen.kimi_k3 import KimiK3Renderer
+from regen.render.kimi_k3.renderer import KimiK3Renderer
 
 EFFORT = ("<|open|>message role=\"system\" type=\"thinking-effort\"<|sep|>`thinking_effort` guides on how much to "
           "think in your thinking channel (not including the response channel), supported values include `low`, "
@@ -103,7 +103,7 @@ def test_effort_none_and_thinking_off_have_no_note(kimi):
 
 
 def test_medium_effort_raises_like_enc_or_maps_like_fw(kimi):
-    from regen.kimi_k3 import RenderError
+    from regen.render.kimi_k3.renderer import RenderError
 
     with pytest.raises(RenderError, match="medium") as err:
         kimi.render([{"role": "user", "content": "x"}], thinking=True, thinking_effort="medium")

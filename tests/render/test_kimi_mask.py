@@ -8,8 +8,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kimi_helpers import kimi  # noqa: F401  (fixture)
-from regen.kimi_k3 import MASK_POLICIES, KimiK3Renderer
-from regen.tokenizer import CLOSE, END_OF_MSG, OPEN, SEP
+from regen.render.kimi_k3.renderer import MASK_POLICIES, KimiK3Renderer
+from regen.render.kimi_k3.tokenizer import CLOSE, END_OF_MSG, OPEN, SEP
 
 ROW = [{"role": "user", "content": "2+3?"},
        {"role": "assistant", "reasoning_content": "Add.", "content": "5"}]

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from kimi_helpers import kimi  # noqa: F401  (fixture)
-from regen.kimi_k3 import RenderError
+from regen.render.kimi_k3.renderer import RenderError
 
 OPTS = {"thinking": False, "add_generation_prompt": False}
 

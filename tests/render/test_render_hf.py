@@ -1,4 +1,4 @@
-"""The render stage with a Hugging Face chat template: the embedded target's own template (regen.prepare_model)
+"""The render stage with a Hugging Face chat template: the embedded target's own template (regen.serve.prepare_model)
 on a tiny offline tokenizer, through both mask paths, with the mask property over every written row."""
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from regen.config.render import RenderConfig
-from regen.hf_template import HFTemplateRenderer
-from regen.prepare_model import CHAT_TEMPLATE
-from regen.render import run_render
+from regen.render.hf_template import HFTemplateRenderer
+from regen.serve.prepare_model import CHAT_TEMPLATE
+from regen.render.stage import run_render
 from regen.rundir import RunDir
 from render_fixtures import generation_row, write_generations
 

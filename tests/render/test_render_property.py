@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from regen.config.render import RenderConfig
-from regen.kimi_k3 import KimiK3Renderer
-from regen.render import run_render
+from regen.render.kimi_k3.renderer import KimiK3Renderer
+from regen.render.stage import run_render
 from regen.rundir import RunDir
 from render_fixtures import generation_row, k3_generated_text, write_generations
 

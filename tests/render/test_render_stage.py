@@ -8,8 +8,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from regen.config.render import RenderConfig
-from regen.kimi_k3 import KimiK3Renderer
-from regen.render import filter_responses, make_renderer, run_render
+from regen.render.kimi_k3.renderer import KimiK3Renderer
+from regen.render.stage import filter_responses, make_renderer, run_render
 from regen.rundir import RunDir
 from render_fixtures import generation_row, k3_generated_text, write_generations
 
@@ -263,7 +263,7 @@ def test_deterministic_and_resumable(tmp_path, monkeypatch, size):
     # a re-run with the same input and config does nothing
     assert run_render(k3_cfg(**size), RunDir.at(tmp_path / "a"), progress=False)["shards"] == ma["shards"]
     # crash after 5 samples, then resume: same shards as an uninterrupted run
-    from regen import render_rows
+    from regen.render import rows as render_rows
 
     real = render_rows.RowRenderer.sample
     calls = {"n": 0}
@@ -302,7 +302,7 @@ def test_resume_with_rejects_gives_the_same_outputs(tmp_path, monkeypatch):
         write_generations(tmp_path / d, rows, parts=3)
     cfg = k3_cfg(shard_max_rows=2)
     ma = run_render(cfg, RunDir.at(tmp_path / "a"), progress=False)
-    from regen import render_rows
+    from regen.render import rows as render_rows
 
     real = render_rows.RowRenderer.sample
     calls = {"n": 0}

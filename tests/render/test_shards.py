@@ -6,8 +6,8 @@ import hashlib
 import pyarrow.parquet as pq
 import pytest
 
-from regen.query import query
-from regen.shards import ShardWriter, rows_to_table
+from regen.report.query import query
+from regen.render.shards import ShardWriter, rows_to_table
 from schemas.shard import SHARD_SCHEMA, mask_from_spans, spans_from_mask
 
 
@@ -53,7 +53,7 @@ def test_shards_close_at_rows_or_tokens(tmp_path, max_rows, max_tokens, sizes):
 
 def test_query_views_and_trainer_feed_read_a_rendered_run(tmp_path):
     from regen.config.render import RenderConfig
-    from regen.render import run_render
+    from regen.render.stage import run_render
     from regen.rundir import RunDir
     from render_fixtures import generation_row, write_generations
 
@@ -70,6 +70,6 @@ def test_query_views_and_trainer_feed_read_a_rendered_run(tmp_path):
     _, shards = query(tmp_path, "SELECT path, rows, sha256 FROM shards ORDER BY path")
     assert [(p, r, s) for p, r, s in shards] == [(e["path"], e["rows"], e["sha256"]) for e in m["shards"]]
     # the trainer's feed accepts the manifest (checksums, complete flag, columns)
-    from regen.feed import manifest_entries, manifest_finished
+    from regen.train.feed import manifest_entries, manifest_finished
 
     assert manifest_finished(m) and [e["path"] for e in manifest_entries(m)] == ["shard-00000.parquet", "shard-00001.parquet"]

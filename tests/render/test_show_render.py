@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from regen.cli import main as cli
-from regen.tokenizer import build_test_vocab, load_tokenizer
+from regen.render.kimi_k3.test_vocab import build_test_vocab
+from regen.render.kimi_k3.tokenizer import load_tokenizer
 
 ROW = {"messages": [{"role": "user", "content": "2+3?"},
                     {"role": "assistant", "reasoning_content": "Add.", "content": "5"}],

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from regen.kimi_k3 import KimiK3Renderer
-from regen.tokenizer import KimiTokenizer
+from regen.render.kimi_k3.renderer import KimiK3Renderer
+from regen.render.kimi_k3.tokenizer import KimiTokenizer
 
 REAL = os.environ.get("KIMI_K3_TOKENIZER")
 pytestmark = pytest.mark.skipif(not (REAL and (Path(REAL) / "tiktoken.model").is_file()),

@@ -5,7 +5,7 @@ import pytest
 
 from regen.config import load_profile
 from regen.rundir import RunDir
-from regen.select import run_select
+from regen.select.stage import run_select
 
 
 @pytest.fixture(scope="session")

@@ -8,8 +8,8 @@ import pytest
 from regen.config.select import SelectConfig, SourceConfig
 from regen.errors import InputError
 from regen.rundir import RunDir
-from regen.select import run_select
-from regen.query import query
+from regen.select.stage import run_select
+from regen.report.query import query
 
 
 

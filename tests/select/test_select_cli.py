@@ -41,6 +41,6 @@ def test_kimi_profile_on_the_fixture(tmp_path, repo_root, capsys, monkeypatch):
 
 
 def test_bench_quick_smoke(repo_root):
-    out = subprocess.run([sys.executable, str(repo_root / "bench/select.py"), "--quick", "--rows", "3000", "--total", "500"],
+    out = subprocess.run([sys.executable, str(repo_root / "bench/selection.py"), "--quick", "--rows", "3000", "--total", "500"],
                          capture_output=True, text=True, timeout=300, check=True).stdout
     assert "rows per CPU-second" in out and "select / read ratio" in out and "selected 500 of 500" in out

@@ -9,9 +9,9 @@ import pyarrow.parquet as pq
 
 from regen.config import load_profile
 from regen.config.select import SelectConfig, SourceConfig
-from regen.query import query
+from regen.report.query import query
 from regen.rundir import RunDir
-from regen.select import largest_remainder, plan_mix, run_select, select_rows
+from regen.select.stage import largest_remainder, plan_mix, run_select, select_rows
 from schemas.prompt import CATEGORIES
 from select_helpers import perturb
 

@@ -7,8 +7,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from regen.config.select import SelectConfig, SourceConfig
-from regen.shapes import detect_shape, normalize_row, openai_tools
-from regen.sources import iter_raw_batches, make_drafts, shape_of, source_files
+from regen.select.shapes import detect_shape, normalize_row, openai_tools
+from regen.select.sources import iter_raw_batches, make_drafts, shape_of, source_files
 
 
 def _drafts(path, **src_kw):

@@ -8,8 +8,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from regen.cli import main as cli_main
-from regen.query import query
-from regen.sources import DATA_SUFFIXES, SKIP_NAMES
+from regen.report.query import query
+from regen.select.sources import DATA_SUFFIXES, SKIP_NAMES
 from schemas.prompt import CATEGORIES, PROMPT_SCHEMA
 
 

@@ -11,5 +11,5 @@ from regen.config.serve import ServeConfig
 def model_dir():
     path = resolve_path(ServeConfig().model_dir)
     if not (path / "model.safetensors").exists():
-        pytest.fail(f"{path} is missing: run `bash scripts/setup.sh` (it calls `python -m regen.prepare_model`)")
+        pytest.fail(f"{path} is missing: run `bash scripts/setup.sh` (it calls `python -m regen.serve.prepare_model`)")
     return path

@@ -1,4 +1,4 @@
-"""The embedded target: a real `transformers serve` process on loopback, started and stopped by regen.serve."""
+"""The embedded target: a real `transformers serve` process on loopback, started and stopped by regen.serve.server."""
 from __future__ import annotations
 
 import json
@@ -14,7 +14,7 @@ import pytest
 
 from regen.config.serve import ServeConfig
 from regen.errors import InputError
-from regen.serve import EmbeddedTarget, server_command
+from regen.serve.server import EmbeddedTarget, server_command
 
 
 def test_host_must_be_loopback():
@@ -93,7 +93,7 @@ def test_unknown_fields_are_rejected(target):
 CHILD = """
 import sys, time
 from regen.config.serve import ServeConfig
-from regen.serve import EmbeddedTarget
+from regen.serve.server import EmbeddedTarget
 t = EmbeddedTarget(ServeConfig(cb_num_blocks=16, cb_max_batch_tokens=256, warmup=False)).start()
 print(t.pid, t.port, flush=True)
 time.sleep(600)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from regen.prepare_model import CHAT_TEMPLATE, END_OF_TURN_ID, MARKER, template_sha256
+from regen.serve.prepare_model import CHAT_TEMPLATE, END_OF_TURN_ID, MARKER, template_sha256
 
 CONV = [
     {"role": "system", "content": "Be brief."},

@@ -8,9 +8,9 @@ import pytest
 import torch
 from test_dspark_model import tiny_cfg
 
-from regen.draft_vocab import select_draft_vocab
-from regen.dspark import DSparkDraft, load_draft, save_draft
-from regen.dspark_loss import dspark_loss
+from regen.train.draft_vocab import select_draft_vocab
+from regen.train.model import DSparkDraft, load_draft, save_draft
+from regen.train.loss import dspark_loss
 
 
 def test_selection_takes_forced_then_most_frequent_then_lowest_unseen_ids():
@@ -154,9 +154,9 @@ def test_training_with_a_draft_vocabulary_counts_training_rows_and_resumes_with_
 
     from test_train import samples, train_cfg, weights
 
-    from regen.feed import ShardFeed
+    from regen.train.feed import ShardFeed
     from regen.rundir import RunDir
-    from regen.train import feed_config, run_train
+    from regen.train.loop import feed_config, run_train
 
     profile, run_dir = tiny_run
     cfg = train_cfg(profile, max_steps=5, draft_vocab_size=200, log_samples=True)
@@ -189,7 +189,7 @@ def test_follow_waits_for_the_first_shard_to_choose_the_vocabulary(tmp_path, tin
 
     from regen.config import load_profile
     from regen.rundir import RunDir
-    from regen.train import run_train
+    from regen.train.loop import run_train
 
     writer = ShardWriter(tmp_path / "run")
     cfg = load_profile(str(write_profile(tmp_path / "p.yaml", tiny_target, max_steps=1000, epochs=1,

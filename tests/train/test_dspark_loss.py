@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from test_dspark_model import tiny_cfg
 
-from regen.dspark import DSparkDraft
-from regen.dspark_loss import (chain_expectation, create_block_attention_mask, decay_weights, dspark_loss,
+from regen.train.model import DSparkDraft
+from regen.train.loss import (chain_expectation, create_block_attention_mask, decay_weights, dspark_loss,
                                evaluation_mask, sample_anchors)
 
 

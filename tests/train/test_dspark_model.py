@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from regen.dspark import (DSparkConfig, DSparkDraft, build_meta, count_parameters, kimi_k3_config, load_draft,
+from regen.train.model import (DSparkConfig, DSparkDraft, build_meta, count_parameters, kimi_k3_config, load_draft,
                           rope_inv_freq, save_draft, softmax_scale)
 
 
@@ -56,7 +56,7 @@ def test_full_size_k3_draft_on_meta_device():
     assert c["serving_without_embed"] == 3_562_312_961
     assert c["embed_tokens"] == c["lm_head"] == 163840 * 7168
     assert c["markov_head"] == 2 * 163840 * 256 and c["confidence_head"] == 7168 + 256 + 1
-    from regen.dspark import k3_param_report
+    from regen.train.model import k3_param_report
 
     rep = k3_param_report()["params"]
     assert rep["num_serving_tensors"] == 68 and rep["serving_without_embed"] == 3_562_312_961

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from regen.eval import Round, is_heldout, replay_rounds, score_round, summarize
+from regen.train.eval import Round, is_heldout, replay_rounds, score_round, summarize
 
 EOS = 0
 
@@ -75,10 +75,10 @@ def test_regen_eval_end_to_end_on_a_tiny_target(tmp_path, tiny_target_dir, shard
     from train_helpers import make_rows
 
     from regen.config.train import TrainConfig
-    from regen.dspark import DSparkDraft, save_draft, small_config_for_target
-    from regen.eval import run_eval
+    from regen.train.model import DSparkDraft, save_draft, small_config_for_target
+    from regen.train.eval import run_eval
     from regen.rundir import RunDir
-    from regen.target import TargetFeatures, TargetContract
+    from regen.train.target import TargetFeatures, TargetContract
 
     shard_writer.add(make_rows(6, seed=1, vocab=512, min_len=20, max_len=40), complete=True)
     run = RunDir.at(shard_writer.dir.parent)
@@ -102,7 +102,7 @@ def test_regen_eval_end_to_end_on_a_tiny_target(tmp_path, tiny_target_dir, shard
                "--max-new-tokens", "4", "--set", f"train.target={tiny_target_dir}",
                "--set", "train.heldout_fraction=1.0", "--set", "train.target_layer_ids=[0, 2]"])
     assert rc == 0 and json.loads((run.root / "eval.json").read_text())["num_prompts"] == 1
-    from regen.target import ContractError
+    from regen.train.target import ContractError
 
     with pytest.raises(ContractError, match="target_layer_ids"):
         run_eval(TrainConfig(target=str(tiny_target_dir), heldout_fraction=1.0, target_layer_ids=[0, 1]), run,
@@ -114,10 +114,10 @@ def test_eval_compares_an_ablation_on_the_same_prompts(tmp_path, tiny_target_dir
     from train_helpers import make_rows
 
     from regen.config.train import TrainConfig
-    from regen.dspark import DSparkDraft, save_draft, small_config_for_target
-    from regen.eval import run_eval
+    from regen.train.model import DSparkDraft, save_draft, small_config_for_target
+    from regen.train.eval import run_eval
     from regen.rundir import RunDir
-    from regen.target import TargetContract, TargetFeatures
+    from regen.train.target import TargetContract, TargetFeatures
 
     shard_writer.add(make_rows(4, seed=2, vocab=512, min_len=20, max_len=40), complete=True)
     run = RunDir.at(shard_writer.dir.parent)
@@ -151,8 +151,8 @@ def test_eval_compares_an_ablation_on_the_same_prompts(tmp_path, tiny_target_dir
 
 def test_oracle_draft_on_a_real_target_reaches_full_blocks(tiny_target_dir):
     """The replay against a real target: a draft that returns the target's own greedy tokens gets τ = K+1."""
-    from regen.eval import greedy_reference
-    from regen.target import TargetContract, TargetFeatures
+    from regen.train.eval import greedy_reference
+    from regen.train.target import TargetContract, TargetFeatures
 
     tf = TargetFeatures.from_pretrained(tiny_target_dir, TargetContract((0, 2)))
     seq, argmax, taps = greedy_reference(tf, [5, 6, 7, 8], 30, [1])
@@ -166,8 +166,8 @@ def test_oracle_draft_on_a_real_target_reaches_full_blocks(tiny_target_dir):
 def test_confidence_threshold_cuts_blocks():
     from test_dspark_model import tiny_cfg
 
-    from regen.dspark import DSparkDraft
-    from regen.eval import proposal_table
+    from regen.train.model import DSparkDraft
+    from regen.train.eval import proposal_table
 
     d = DSparkDraft(tiny_cfg(block_size=4))
     with torch.no_grad():

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from regen.errors import InputError
-from regen.feed import FeedConfig, ShardFeed
+from regen.train.feed import FeedConfig, ShardFeed
 from schemas.io import write_rows_atomic
 from schemas.shard import SHARD_SCHEMA, mask_from_spans
 from train_helpers import make_rows
@@ -186,7 +186,7 @@ def test_left_truncation_keeps_the_end_of_long_rows(shard_writer):
 
 
 def test_heldout_fraction_uses_the_eval_split(shard_writer):
-    from regen.eval import is_heldout
+    from regen.train.eval import is_heldout
 
     rows = make_rows(60, seed=11)
     shard_writer.add(rows, complete=True)

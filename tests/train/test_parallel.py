@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from regen.config import load_profile
 from regen.rundir import RunDir
-from regen.train import run_train
+from regen.train.loop import run_train
 
 
 def _weights(run_dir):

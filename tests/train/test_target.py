@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from regen.target import (ContractError, TargetContract, TargetFeatures, declared_contract,
+from regen.train.target import (ContractError, TargetContract, TargetFeatures, declared_contract,
                           default_target_layer_ids, validate_layer_ids)
 
 

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from regen.config import load_profile
 from regen.rundir import RunDir
-from regen.train import run_train
+from regen.train.loop import run_train
 
 SERVING_FIELDS = ("target_layer_ids", "fc_norm", "aux_hidden_stream", "mask_token_id", "block_size", "markov_rank",
                   "num_target_layers", "target_hidden_size", "target_num_hidden_layers", "markov_head_type",
@@ -36,7 +36,7 @@ def weights(run_dir) -> dict[str, torch.Tensor]:
 def test_train_writes_a_servable_checkpoint(tiny_run, tiny_target):
     from transformers import AutoModelForCausalLM
 
-    from regen.dspark import load_draft
+    from regen.train.model import load_draft
 
     profile, run_dir = tiny_run
     s = run_train(train_cfg(profile, max_steps=6), RunDir.at(run_dir))
@@ -121,8 +121,8 @@ def test_cli_reports_a_missing_target_without_a_traceback(tiny_run, capsys):
 def test_kimi_k3_profile_builds_the_full_size_draft_on_meta():
     from types import SimpleNamespace
 
-    from regen.dspark import build_meta, count_parameters
-    from regen.train import build_draft_config
+    from regen.train.model import build_meta, count_parameters
+    from regen.train.loop import build_draft_config
 
     cfg = load_profile("kimi-k3").train
     k3 = SimpleNamespace(hidden_size=7168, num_hidden_layers=93, vocab_size=163840, model_type="kimi_k3")

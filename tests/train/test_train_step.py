@@ -6,12 +6,12 @@ import json
 import pytest
 import torch
 
-from regen.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from regen.dspark import DSparkDraft, small_config_for_target
-from regen.feed import FeedConfig, ShardFeed
-from regen.parallel import full_model_state, full_optim_state, init_distributed, shard_model
-from regen.target import TargetContract, TargetFeatures
-from regen.train import lr_lambda, make_objective, prepare_microbatch, train_step
+from regen.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from regen.train.model import DSparkDraft, small_config_for_target
+from regen.train.feed import FeedConfig, ShardFeed
+from regen.train.parallel import full_model_state, full_optim_state, init_distributed, shard_model
+from regen.train.target import TargetContract, TargetFeatures
+from regen.train.loop import lr_lambda, make_objective, prepare_microbatch, train_step
 
 
 @pytest.fixture(scope="module")

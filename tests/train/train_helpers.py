@@ -45,7 +45,7 @@ class ShardWriter:
         return info
 
     def write_manifest(self, complete: bool, **extra) -> None:
-        write_json_atomic({"schema": "regen.shards", "shards": self.entries, "complete": complete, **extra},
+        write_json_atomic({"schema": "regen.render.shards", "shards": self.entries, "complete": complete, **extra},
                           self.dir / "manifest.json")
 
 

@@ -1,0 +1,18 @@
+"""Stage 2, generate: `prompts/` -> `generations/` (GENERATION_SCHEMA), one row per (prompt_id, turn) unit.
+
+In:  the selected prompts; OpenAI-compatible `/v1/chat/completions` endpoints (the target).
+Out: `generations/part-*.parquet` (status ok | error | skipped, with the server's token ids when given),
+     the request ledger, `manifest.json` with the accounting generated + error + skipped == units.
+
+Modules, in reading order:
+    conversation.py  where assistant turns are generated, each request's body and its content-hash key
+    client.py        the transport: endpoint pool, timeouts, backoff with Retry-After, 429 cooldown
+    checks.py        what a "200 OK" must be: completion parsing and failure classes
+    ledger.py        exactly-once storage: fsynced journal -> atomic Parquet parts -> ledger
+    metrics.py       live progress, the metrics summary, per-minute throughput
+    runner.py        one process's share: conversation workers over one client and one ledger
+    ray_runner.py    the same run split across Ray actors (loopback unless given a cluster)
+    stage.py         the stage: resume checks, endpoints and key from the environment, accounting
+
+Entry point: `regen.generate.stage.run_generate(cfg: GenerateConfig, run: RunDir)`; CLI `regen generate`.
+"""

@@ -1,0 +1,478 @@
+"""The async transport: one aiohttp session per process, a pool of endpoints, timeouts, backoff, cooldown.
+
+`ChatClient.complete(body)` sends ONE attempt of an OpenAI `/v1/chat/completions` request and returns a
+`regen.generate.checks.Completion` or raises `regen.generate.checks.RequestFailure` with a class decided by exception type and
+HTTP status. Retrying is the caller's job (`regen.generate.stage`), with `backoff_delay`.
+
+* In flight: at most `max_in_flight` attempts at once (a semaphore); the pool routes each to the healthy
+  endpoint with the fewest outstanding requests (least-outstanding-requests).
+* Health: `fail_threshold` consecutive transport failures take an endpoint out; a probe of
+  `GET {base}/models` every `interval_s` puts it back when it answers below 500.
+* 429: the endpoint cools down for Retry-After (or the backoff base) and its concurrency limit halves
+  (once per cooldown window); each success raises the limit by one (it doubles per round trip, as TCP slow
+  start) until it passes `max_in_flight` and is removed. A storm of 429s drains instead of being hammered.
+* No endpoint available: an attempt waits while some endpoint is healthy (cooling down or at its limit);
+  when none is healthy for `max_wait_s`, it fails as `connection` (and is retried by the caller).
+* Each attempt carries the header `X-Regen-Request-Key: <request key>` so server logs can be joined with rows.
+* Timeouts (seconds): connect; first byte (sending -> first body chunk); between stream chunks (the
+  first-byte deadline is moved forward at most once a second, so the cost per chunk stays flat); total.
+
+aiohttp was chosen over httpx / the openai SDK by measurement (`bench/generate.py`): its raw `iter_any()` reads
+plus our own line splitter and orjson cost a fraction of the CPU per streamed token.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import random
+import time
+from email.utils import parsedate_to_datetime
+
+import aiohttp
+
+from regen.generate.checks import Completion, RequestFailure, classify_status
+from regen.config.generate import HealthConfig, RetryConfig, TimeoutConfig
+
+try:
+    import orjson
+
+    _loads, _dumps = orjson.loads, orjson.dumps
+except ImportError:  # pragma: no cover - orjson ships with prefect
+    import json
+
+    _loads = json.loads
+
+    def _dumps(obj):
+        return json.dumps(obj, ensure_ascii=False).encode()
+
+
+def backoff_delay(attempt: int, cfg: RetryConfig, retry_after_s: float | None = None) -> float:
+    """Seconds to wait before attempt `attempt + 1` (attempt >= 1): min(max_s, base_s * 2**(attempt-1))
+    times U(0.5, 1) ("equal jitter", AWS architecture blog, 2015), and never less than the server's
+    Retry-After (capped at max_retry_after_s; times U(1, 1.5) so retries spread out)."""
+    delay = min(cfg.max_s, cfg.base_s * 2 ** max(0, attempt - 1)) * random.uniform(0.5, 1.0)
+    if retry_after_s is not None:  # spread over [1, 1.5] x Retry-After, so retries do not arrive in lockstep
+        delay = max(delay, min(retry_after_s, cfg.max_retry_after_s) * random.uniform(1.0, 1.5))
+    return delay
+
+
+def parse_retry_after(value: str | None) -> float | None:
+    """Retry-After header (delta-seconds, fractional accepted, or an HTTP date; RFC 9110 10.2.3) -> seconds."""
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        return max(0.0, parsedate_to_datetime(value).timestamp() - time.time())
+    except (TypeError, ValueError):
+        return None
+
+
+def redact_url(url: str) -> str:
+    """A URL without credentials (`user:password@` and the query string dropped), fit for rows and logs."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    if parts.port:
+        host = f"{host}:{parts.port}"
+    return urlunsplit((parts.scheme, host, parts.path, "", ""))
+
+
+class Endpoint:
+    """One base URL (`http://host:port/v1`) with its routing state; `name` is the URL without credentials."""
+
+    def __init__(self, base_url: str):
+        self.base_url = base_url.rstrip("/")
+        self.name = redact_url(self.base_url)
+        self.url = self.base_url + "/chat/completions"
+        self.outstanding = 0
+        self.healthy = True
+        self.fails = 0
+        self.cooldown_until = 0.0
+        self.limit: float | None = None  # AIMD concurrency cap after 429s; None = uncapped
+        self.num_requests = 0
+        self.num_failures = 0
+        self.num_429 = 0
+
+    def available(self, now: float) -> bool:
+        return self.healthy and now >= self.cooldown_until and (self.limit is None or self.outstanding < self.limit)
+
+    def summary(self) -> dict:
+        return {"endpoint": self.name, "healthy": self.healthy, "requests": self.num_requests,
+                "failures": self.num_failures, "rate_limited": self.num_429}
+
+
+class EndpointPool:
+    """Least-outstanding-requests routing over healthy, not cooling-down endpoints."""
+
+    def __init__(self, base_urls: list[str], health: HealthConfig, max_in_flight: int, base_cooldown_s: float = 1.0):
+        if not base_urls:
+            raise ValueError("EndpointPool needs at least one endpoint")
+        self.endpoints = [Endpoint(u) for u in base_urls]
+        self.health = health
+        self.max_in_flight = max_in_flight
+        self.base_cooldown_s = base_cooldown_s
+        self._waiters: collections.deque[asyncio.Future] = collections.deque()  # FIFO: fair
+
+    def _pick(self, now: float) -> Endpoint | None:
+        best = None
+        for ep in self.endpoints:
+            if ep.available(now) and (best is None or ep.outstanding < best.outstanding):
+                best = ep
+        return best
+
+    def _wake(self, n: int = 1) -> None:
+        while n > 0 and self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                n -= 1
+
+    async def acquire(self, max_wait_s: float) -> Endpoint:
+        """The endpoint for the next attempt (its `outstanding` incremented). Waits while none is available;
+        raises RequestFailure("connection") after `max_wait_s` without one."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max_wait_s
+        while True:
+            now = loop.time()
+            ep = self._pick(now)
+            if ep is not None:
+                ep.outstanding += 1
+                ep.num_requests += 1
+                return ep
+            if any(e.healthy for e in self.endpoints):
+                deadline = now + max_wait_s  # cooling down or at its limit: wait, the endpoint is alive
+            elif now >= deadline:
+                raise RequestFailure("connection", "no healthy endpoint available")
+            cooling = [e.cooldown_until for e in self.endpoints if e.healthy and e.cooldown_until > now]
+            wait = min(cooling) - now + random.uniform(0, 0.5) if cooling else self.health.interval_s
+            fut = loop.create_future()
+            self._waiters.append(fut)
+            try:
+                await asyncio.wait_for(fut, max(0.01, min(wait, deadline - now)))
+            except TimeoutError:
+                pass
+
+    def release(self, ep: Endpoint, error_class: str | None, retry_after_s: float | None = None) -> None:
+        """Account the outcome of one attempt: None = success, else its error class."""
+        ep.outstanding -= 1
+        now = asyncio.get_running_loop().time()
+        if error_class is None or error_class in ("bad_request", "context_overflow", "malformed"):
+            ep.fails = 0  # the server answered
+            if ep.limit is not None and error_class is None:
+                ep.limit += 1.0  # +1 per success: the limit doubles per round trip (TCP slow start)
+                if ep.limit >= self.max_in_flight:
+                    ep.limit = None
+        elif error_class == "rate_limited":
+            ep.num_429 += 1
+            cool = retry_after_s if retry_after_s is not None else self.base_cooldown_s
+            if now >= ep.cooldown_until:  # halve once per cooldown window
+                ep.limit = max(1.0, min(ep.limit or float("inf"), ep.outstanding + 1) / 2)
+            ep.cooldown_until = max(ep.cooldown_until, now + cool)
+        else:
+            ep.num_failures += 1
+            ep.fails += 1
+            if ep.fails >= self.health.fail_threshold and ep.healthy:
+                ep.healthy = False
+        self._wake(1)
+
+    def mark_healthy(self, ep: Endpoint) -> None:
+        ep.healthy, ep.fails = True, 0
+        self._wake(len(self._waiters))
+
+    @property
+    def outstanding(self) -> int:
+        return sum(e.outstanding for e in self.endpoints)
+
+
+class ChatClient:
+    """One per process. Use as `async with ChatClient(...) as client: c = await client.complete(body)`.
+
+    `api_key` goes only into the Authorization header; it is never logged nor put in any exception.
+    """
+
+    def __init__(self, endpoints: list[str], *, max_in_flight: int = 4096, timeouts: TimeoutConfig | None = None,
+                 health: HealthConfig | None = None, api_key: str | None = None, max_wait_s: float | None = None,
+                 base_cooldown_s: float = 1.0):
+        self.timeouts = timeouts or TimeoutConfig()
+        self.health = health or HealthConfig()
+        self.pool = EndpointPool(endpoints, self.health, max_in_flight, base_cooldown_s)
+        self.max_in_flight = max_in_flight
+        self.max_wait_s = max_wait_s if max_wait_s is not None else max(60.0, 4 * self.health.interval_s)
+        self._headers = {"Content-Type": "application/json"}
+        if api_key:
+            self._headers["Authorization"] = f"Bearer {api_key}"
+        self._sem = asyncio.Semaphore(max_in_flight)
+        self._session: aiohttp.ClientSession | None = None
+        self._health_task: asyncio.Task | None = None
+        self.in_flight = 0
+        self.peak_in_flight = 0
+
+    async def __aenter__(self) -> "ChatClient":
+        connector = aiohttp.TCPConnector(limit=self.max_in_flight + 8, limit_per_host=0, enable_cleanup_closed=True)
+        timeout = aiohttp.ClientTimeout(total=None, connect=None, sock_connect=self.timeouts.connect, sock_read=None)
+        self._session = aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=True)
+        self._health_task = asyncio.create_task(self._health_loop())
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        if self._health_task:
+            self._health_task.cancel()
+            try:
+                await self._health_task
+            except (asyncio.CancelledError, Exception):
+                pass
+        if self._session:
+            await self._session.close()
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.health.interval_s)
+            for ep in self.pool.endpoints:
+                if not ep.healthy and await self.probe(ep):
+                    self.pool.mark_healthy(ep)
+
+    async def probe(self, ep: Endpoint) -> bool:
+        """`GET {base}/models` answered below 500 within probe_timeout_s."""
+        try:
+            async with asyncio.timeout(self.health.probe_timeout_s):
+                async with self._session.get(ep.base_url + "/models", headers=self._headers) as resp:
+                    await resp.read()
+                    return resp.status < 500
+        except (aiohttp.ClientError, OSError, TimeoutError):
+            return False
+
+    async def complete(self, body: dict, *, request_key: str | None = None) -> Completion:
+        """Send one attempt of `body` (an OpenAI chat-completions request; `stream` decides the mode).
+
+        Returns a Completion (quality not yet checked); raises RequestFailure on transport or HTTP errors.
+        """
+        payload = _dumps(body)
+        headers = self._headers if request_key is None else {**self._headers, "X-Regen-Request-Key": request_key}
+        async with self._sem:
+            ep = await self.pool.acquire(self.max_wait_s)
+            self.in_flight += 1
+            if self.in_flight > self.peak_in_flight:
+                self.peak_in_flight = self.in_flight
+            error_class, retry_after = None, None
+            try:
+                return await self._attempt(ep, payload, headers, bool(body.get("stream")))
+            except RequestFailure as exc:
+                error_class, retry_after = exc.error_class, exc.retry_after_s
+                raise
+            finally:
+                self.in_flight -= 1
+                self.pool.release(ep, error_class, retry_after)
+
+    async def _attempt(self, ep: Endpoint, payload: bytes, headers: dict, stream: bool) -> Completion:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        phase = "first_byte"
+        try:
+            async with asyncio.timeout(self.timeouts.total) as total_cm:
+                async with asyncio.timeout(self.timeouts.first_byte) as cm:
+                    async with self._session.post(ep.url, data=payload, headers=headers) as resp:
+                        if resp.status != 200:
+                            raise await _http_failure(resp)
+                        if stream:
+                            phase = "between_chunks"
+                            c = await _read_stream(resp, cm, t0, self.timeouts.between_chunks)
+                        else:
+                            c = _parse_body(await resp.read())
+                            c.ttft_s = loop.time() - t0
+        except RequestFailure:
+            raise
+        except TimeoutError as exc:
+            which = "total" if total_cm.expired() else phase
+            raise RequestFailure("timeout", f"{which} timeout at {ep.name}") from exc
+        except aiohttp.ClientResponseError as exc:
+            raise RequestFailure(classify_status(exc.status), f"HTTP {exc.status} at {ep.name}", exc.status) from exc
+        except (aiohttp.ClientError, OSError) as exc:
+            raise RequestFailure("connection", f"{type(exc).__name__} at {ep.name}") from exc
+        c.latency_s = loop.time() - t0
+        c.endpoint = ep.name
+        return _normalize(c)
+
+
+async def _http_failure(resp: aiohttp.ClientResponse) -> RequestFailure:
+    """A non-200 response -> RequestFailure classified by status and the body's structured `error.code`."""
+    code = None
+    try:
+        raw = await resp.content.read(65536)
+        obj = _loads(raw) if raw else None
+        err = obj.get("error") if isinstance(obj, dict) else None
+        if isinstance(err, dict) and isinstance(err.get("code"), str):
+            code = err["code"]
+    except (ValueError, aiohttp.ClientError, OSError):
+        pass
+    retry_after = parse_retry_after(resp.headers.get("Retry-After"))
+    return RequestFailure(classify_status(resp.status, code), f"HTTP {resp.status}", resp.status, retry_after)
+
+
+def _text(value) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list):  # content parts: keep the text parts
+        return "".join(p.get("text") or "" if isinstance(p, dict) else str(p) for p in value)
+    return _dumps(value).decode()
+
+
+def _ids(value) -> list[int] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+        raise RequestFailure("malformed", "token ids are not a list of integers")
+    return value
+
+
+def _normalize(c: Completion) -> Completion:
+    """Coerce a parsed completion into the types the generation schema stores; RequestFailure("malformed")
+    when a field cannot be (a server's answer must never crash the writer)."""
+    c.content, c.reasoning_content = _text(c.content), _text(c.reasoning_content)
+    if c.finish_reason is not None and not isinstance(c.finish_reason, str):
+        c.finish_reason = str(c.finish_reason)
+    if c.tool_calls is not None:
+        if not isinstance(c.tool_calls, list):
+            raise RequestFailure("malformed", "tool_calls is not a list")
+        calls = []
+        for tc in c.tool_calls:
+            fn = tc.get("function") if isinstance(tc, dict) else None
+            if not isinstance(fn, dict):
+                raise RequestFailure("malformed", "tool call without a function object")
+            args = fn.get("arguments")
+            calls.append({"id": _text(tc.get("id")), "type": _text(tc.get("type")) or "function",
+                          "function": {"name": _text(fn.get("name")),
+                                       "arguments": args if args is None or isinstance(args, str) else _text(args)}})
+        c.tool_calls = calls or None
+    c.prompt_token_ids, c.completion_token_ids = _ids(c.prompt_token_ids), _ids(c.completion_token_ids)
+    if c.usage is not None and not isinstance(c.usage, dict):
+        c.usage = None
+    if c.usage:
+        for k in ("prompt_tokens", "completion_tokens"):
+            if not isinstance(c.usage.get(k), (int, type(None))):
+                c.usage = {kk: v for kk, v in c.usage.items() if kk != k}
+    return c
+
+
+def _message_fields(c: Completion, msg: dict) -> None:
+    c.content = msg.get("content")
+    c.reasoning_content = msg.get("reasoning_content") or msg.get("reasoning")
+    c.tool_calls = msg.get("tool_calls") or None
+
+
+def _parse_body(data: bytes) -> Completion:
+    """A non-streamed 200 body -> Completion; empty -> empty_body; not JSON -> RequestFailure("malformed")."""
+    if not data.strip():
+        return Completion(empty_body=True)
+    try:
+        obj = _loads(data)
+    except ValueError as exc:
+        raise RequestFailure("malformed", "response body is not JSON") from exc
+    if not isinstance(obj, dict):
+        raise RequestFailure("malformed", "response body is not a JSON object")
+    if "error" in obj and not obj.get("choices"):
+        raise RequestFailure("server_error", "error object in a 200 response")
+    choices = obj.get("choices")
+    if not choices:
+        return Completion(empty_body=True, usage=obj.get("usage"))
+    ch = choices[0]
+    if not isinstance(ch, dict) or not isinstance(ch.get("message"), dict):
+        raise RequestFailure("malformed", "choices[0].message missing")
+    c = Completion(finish_reason=ch.get("finish_reason"), usage=obj.get("usage"))
+    _message_fields(c, ch["message"])
+    c.prompt_token_ids = obj.get("prompt_token_ids") or ch.get("prompt_token_ids")
+    c.completion_token_ids = ch.get("token_ids")
+    return c
+
+
+async def _read_stream(resp: aiohttp.ClientResponse, cm, t0: float, between_s: float) -> Completion:
+    """Parse an SSE stream of chat.completion.chunk events (OpenAI streaming reference) into a Completion.
+
+    Moves the timeout `cm` to now + between_s at most once a second. A stream that ends without `[DONE]`
+    and without a finish_reason raises RequestFailure("connection") (closed mid-stream).
+    """
+    loop = asyncio.get_running_loop()
+    content, reasoning, token_ids = [], [], []
+    calls: dict[int, dict] = {}
+    c = Completion()
+    done = seen_choice = False
+    buf = b""
+    last_move = -1.0
+    async for data in resp.content.iter_any():
+        now = loop.time()
+        if c.ttft_s is None:
+            c.ttft_s = now - t0
+        if now - last_move > 1.0:
+            cm.reschedule(now + between_s)
+            last_move = now
+        buf += data
+        if b"\n" not in data:
+            continue
+        lines = buf.split(b"\n")
+        buf = lines.pop()
+        for line in lines:
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                done = True
+                continue
+            try:
+                obj = _loads(payload)
+                choices = obj.get("choices")
+            except (ValueError, AttributeError) as exc:
+                raise RequestFailure("malformed", "SSE event is not a JSON object") from exc
+            c.num_chunks += 1
+            if "error" in obj and not choices:
+                raise RequestFailure("server_error", "error event in stream")
+            if obj.get("usage"):
+                c.usage = obj["usage"]
+            if obj.get("prompt_token_ids"):
+                c.prompt_token_ids = obj["prompt_token_ids"]
+            if not choices:
+                continue
+            ch = choices[0]
+            seen_choice = True
+            delta = ch.get("delta") or {}
+            piece = delta.get("content")
+            if piece:
+                content.append(piece)
+            piece = delta.get("reasoning_content") or delta.get("reasoning")
+            if piece:
+                reasoning.append(piece)
+            if delta.get("tool_calls"):
+                _merge_tool_calls(calls, delta["tool_calls"])
+            ids = ch.get("token_ids")
+            if ids:
+                token_ids.extend(ids)
+            if ch.get("prompt_token_ids"):
+                c.prompt_token_ids = ch["prompt_token_ids"]
+            if ch.get("finish_reason") is not None:
+                c.finish_reason = ch["finish_reason"]
+    if not done and c.finish_reason is None:
+        raise RequestFailure("connection", "stream ended before [DONE]")
+    if not seen_choice:
+        c.empty_body = True
+        return c
+    c.content = "".join(content) if content else ("" if c.finish_reason else None)
+    c.reasoning_content = "".join(reasoning) or None
+    c.tool_calls = [calls[i] for i in sorted(calls)] or None
+    c.completion_token_ids = token_ids or None
+    return c
+
+
+def _merge_tool_calls(calls: dict[int, dict], deltas: list[dict]) -> None:
+    """Accumulate streamed tool-call deltas by `index` (id/name once, arguments concatenated)."""
+    for d in deltas:
+        i = d.get("index", len(calls))
+        tc = calls.setdefault(i, {"id": None, "type": "function", "function": {"name": None, "arguments": ""}})
+        if d.get("id"):
+            tc["id"] = d["id"]
+        fn = d.get("function") or {}
+        if fn.get("name"):
+            tc["function"]["name"] = fn["name"]
+        if fn.get("arguments"):
+            tc["function"]["arguments"] += fn["arguments"]

@@ -1,0 +1,131 @@
+"""Turns of a conversation: where assistant turns are generated, what each request is, and its key.
+
+Units of work. A prompt's `messages` may hold several user turns, recorded assistant turns, and tool turns
+with recorded tool results. A *turn* (a `(prompt_id, turn)` unit, `turn` counted from 0) is generated at every
+position where the original conversation has an assistant message, and after a final user or tool message.
+`turn_positions(messages)` lists those positions; `generated + error rows + skipped == sum of len(positions)`.
+
+History. Turn k is requested with the original messages before its position, every earlier assistant
+message replaced by its regeneration. After turn k, the original messages up to the next position follow
+(user turns, recorded tool results). When the regenerated turn's tool calls no longer match the recorded
+assistant's (function names, in order, and their count), the recorded tool results cannot follow: the
+conversation stops there (`stop_reason = "tool_result_mismatch"`), later turns become `skipped` rows.
+Recorded tool results keep their content; their `tool_call_id` is rewritten to the regenerated call's id.
+
+Request key: sha256 of canonical JSON over prompt_id, turn, model, messages, tools, sampling
+(temperature, top_p, max_tokens, seed), extra_body and return_token_ids: everything that changes the answer
+(`stream` does not), plus the unit's identity so two prompts sharing a first turn keep distinct rows.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+
+from regen.generate.checks import tool_names
+from regen.config.generate import GenerateConfig
+from schemas.prompt import canonical_json
+
+
+def turn_positions(messages: list[dict]) -> list[int]:
+    """Indices in `messages` where an assistant turn is generated (len(messages) for a final user/tool turn).
+
+    >>> turn_positions([{"role": "user"}, {"role": "assistant"}, {"role": "user"}])
+    [1, 3]
+    """
+    pos = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
+    if messages and messages[-1].get("role") in ("user", "tool"):
+        pos.append(len(messages))
+    return pos
+
+
+def sampling_params(cfg: GenerateConfig) -> dict:
+    """The sampling part of a request body (seed only when configured: some servers reject the field)."""
+    params = {"temperature": cfg.temperature, "top_p": cfg.top_p, "max_tokens": cfg.max_tokens}
+    if cfg.seed is not None:
+        params["seed"] = cfg.seed
+    return params
+
+
+def request_config(cfg: GenerateConfig) -> dict:
+    """Everything in cfg that changes answers (hashed into the run's request-config hash); no secrets."""
+    return {"model": cfg.model, "sampling": sampling_params(cfg), "extra_body": cfg.extra_body,
+            "return_token_ids": cfg.return_token_ids, "reasoning_in_history": cfg.reasoning_in_history}
+
+
+def request_key(prompt_id: str, turn: int, cfg: GenerateConfig, messages: list[dict], tools: list[dict] | None) -> str:
+    """sha256 hex (64 chars) of everything that changes this unit's answer (see module doc)."""
+    payload = canonical_json({
+        "prompt_id": prompt_id, "turn": turn, "model": cfg.model, "messages": messages, "tools": tools or None,
+        "sampling": sampling_params(cfg), "extra_body": cfg.extra_body, "return_token_ids": cfg.return_token_ids,
+    })
+    return hashlib.sha256(payload.encode("utf-8")).hexdigest()
+
+
+def skipped_key(prompt_id: str, turn: int, stopped_key: str) -> str:
+    """Key of a skipped unit: derived from the key of the turn that stopped the conversation."""
+    return hashlib.sha256(f"skipped|{prompt_id}|{turn}|{stopped_key}".encode()).hexdigest()
+
+
+def request_body(cfg: GenerateConfig, messages: list[dict], tools: list[dict] | None) -> dict:
+    """The JSON body of POST /v1/chat/completions (OpenAI API reference; extra_body keys merged at top level)."""
+    body = {"model": cfg.model, "messages": messages, **sampling_params(cfg)}
+    if tools:
+        body["tools"] = tools
+    body.update(cfg.extra_body)
+    if cfg.return_token_ids:
+        body["return_token_ids"] = True
+    body["stream"] = cfg.stream
+    if cfg.stream and cfg.stream_usage:
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+def history_message(assistant: dict, cfg: GenerateConfig) -> dict:
+    """A regenerated assistant turn as it is sent back in later requests."""
+    msg = {"role": "assistant", "content": assistant.get("content") or ""}
+    if cfg.reasoning_in_history and assistant.get("reasoning_content"):
+        msg["reasoning_content"] = assistant["reasoning_content"]
+    if assistant.get("tool_calls"):
+        msg["tool_calls"] = [
+            {"id": tc.get("id"), "type": tc.get("type") or "function",
+             "function": {"name": (tc.get("function") or {}).get("name"),
+                          "arguments": (tc.get("function") or {}).get("arguments")}}
+            for tc in assistant["tool_calls"]
+        ]
+    return msg
+
+
+def next_segment(original: list[dict], positions: list[int], turn: int, assistant: dict) -> list[dict] | None:
+    """The original messages between turn `turn` and the next one, to append after the regenerated
+    `assistant`; None when the regenerated tool calls no longer match the recorded ones (stop).
+
+    Tool messages answering the recorded calls get the regenerated call ids (matched by position).
+    """
+    pos = positions[turn]
+    end = positions[turn + 1]
+    recorded = original[pos] if pos < len(original) and original[pos].get("role") == "assistant" else {}
+    if tool_names(assistant.get("tool_calls")) != tool_names(recorded.get("tool_calls")):
+        return None
+    id_map = {}
+    for old, new in zip(recorded.get("tool_calls") or [], assistant.get("tool_calls") or []):
+        if old.get("id") and new.get("id"):
+            id_map[old["id"]] = new["id"]
+    segment = []
+    for m in original[pos + 1:end]:
+        m = dict(m)
+        if m.get("role") == "tool" and m.get("tool_call_id") in id_map:
+            m["tool_call_id"] = id_map[m["tool_call_id"]]
+        segment.append(m)
+    return segment
+
+
+def fill_missing_call_ids(assistant: dict, original: list[dict], pos: int) -> None:
+    """Give regenerated tool calls without an id the recorded call's id (same index), else `call_<i>`."""
+    recorded = original[pos].get("tool_calls") if pos < len(original) and original[pos].get("role") == "assistant" else None
+    for i, tc in enumerate(assistant.get("tool_calls") or []):
+        if not tc.get("id"):
+            tc["id"] = (recorded[i].get("id") if recorded and i < len(recorded) else None) or f"call_{i}"
+
+
+def tools_from_json(tools: str | None) -> list[dict] | None:
+    return json.loads(tools) if tools else None

@@ -1,0 +1,20 @@
+"""Stage 3, render: `generations/` -> response filters -> `shards/shard-*.parquet` (SHARD_SCHEMA) + manifest.
+
+In:  generation rows (read through `schemas.generation`), the target's tokenizer and conversation format.
+Out: token shards with `input_ids` and an assistant-only `loss_mask`, `shards/manifest.json` stating the
+     training contract (tokenizer hash, renderer, max length, mask policy), `rejected/render/`.
+
+Modules, in reading order:
+    renderer.py      the contract every target format implements (`Rendered`: ids + supervised spans)
+    kimi_k3/         the Kimi-K3 format (shared/docs/kimi-k3-format.md): tokenizer, message rules, segments,
+                     renderer, and the bundled test vocabulary
+    hf_template.py   any target with a Hugging Face chat template (the embedded target)
+    rows.py          one generation row -> one training sample, or a reject with its reason
+    shards.py        atomic shard files and their manifest
+    stage.py         the stage: response filters, then rows -> shards, resumable
+    export.py        `regen export`: shards or conversations to a path or fsspec URI
+    show.py          `regen show-render`: one conversation from stdin, rendered and masked
+
+Entry point: `regen.render.stage.run_render(cfg: RenderConfig, run: RunDir)`; `make_renderer(cfg)` is the public
+way for other stages to render (eval renders held-out prompts with it). CLI `regen render`.
+"""

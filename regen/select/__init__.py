@@ -1,0 +1,16 @@
+"""Stage 1, select: prompt pools -> `prompts/part-*.parquet` (PROMPT_SCHEMA) + `rejected/select/`.
+
+In:  the profile's `select.sources` (JSON, JSONL, Parquet, HF `save_to_disk` dirs; ShareGPT, OpenAI, kimi-mtp
+     and benchmark row shapes).
+Out: a deduplicated, filtered, seeded selection in the requested category mix, every drop with its reason,
+     and `prompts/manifest.json` (accounting per file: selected + rejected + not selected == read).
+
+Modules, in reading order:
+    sources.py   files -> batches of raw rows -> normalized prompt drafts (or parse rejects)
+    shapes.py    row shapes -> OpenAI-style `messages` + `tools`
+    classify.py  category and language: source labels, then config, then a classifier
+    batches.py   the per-batch work (normalize, filter, sign for near dedup), in forked workers
+    stage.py     the stage: exact + near dedup, the seeded stratified mix, outputs and manifest
+
+Entry point: `regen.select.stage.run_select(cfg: SelectConfig, run: RunDir, *, seed)`; CLI `regen select`.
+"""

@@ -1,0 +1,140 @@
+"""The per-batch work of `regen select`, run in the main process or in `workers` forked processes.
+
+A batch of raw rows -> normalized drafts (`regen.select.sources.make_drafts`) -> the stateless row filters in config
+order (everything but `exact_dedup` and `near_dedup`, which need the whole stream and run in the main process
+afterwards) -> survivors as an Arrow table (PROMPT_SCHEMA), their normalized conversation text and MinHash
+signatures. Results come back in submission order, so the output does not depend on `workers`; at most
+`2 * workers` batches are in flight (bounded memory). Workers are forked after `configure`, so they share the
+read-only state (filters, contamination index) without pickling it.
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+
+from filters.dedup import MinHasher
+from filters.prompt import PROMPT_FILTERS, ContaminationIndex, conversation_text, prompt_tokens
+from schemas.prompt import PROMPT_SCHEMA, PromptRecord
+from schemas.rejected import RejectedRecord
+
+STAGE = "select"
+STATEFUL = ("exact_dedup", "near_dedup")
+_STATE: dict = {}
+
+
+@dataclass
+class BatchResult:
+    """One processed batch: rejects (REJECTED_SCHEMA row dicts), survivors and their dedup inputs."""
+
+    source_file: str
+    num_rows: int
+    rejects: list[dict] = field(default_factory=list)
+    drops: Counter = field(default_factory=Counter)
+    table: pa.Table | None = None
+    norms: list[str] = field(default_factory=list)
+    sigs: np.ndarray | None = None
+
+
+def configure(cfg, index: ContaminationIndex | None) -> None:
+    """Build the stateless filters and the MinHasher for this process (and the workers forked after it)."""
+    filters = []
+    for name in cfg.filters:
+        if name in STATEFUL:
+            continue
+        cls = PROMPT_FILTERS[name]
+        filters.append(cls.from_config(cfg, index) if name == "contamination" else cls.from_config(cfg))
+    _STATE.update(cfg=cfg, filters=filters, near="near_dedup" in cfg.filters,
+                  hasher=MinHasher(cfg.num_perm, cfg.shingle_chars, cfg.minhash_max_chars))
+
+
+def payload(obj) -> str:
+    """The raw row or record as JSON for the rejected table, truncated to 4 KiB."""
+    try:
+        return json.dumps(obj, ensure_ascii=False, default=str)[:4096]
+    except (TypeError, ValueError):
+        return repr(obj)[:4096]
+
+
+def reject_row(d, filt: str, reason: str, score, body: str) -> dict:
+    return RejectedRecord(stage=STAGE, filter=filt, reason=reason, score=score, source=d.source,
+                          source_file=d.source_file, source_row=d.source_row, prompt_id=d.prompt_id,
+                          category=d.category, payload=body).to_arrow_row()
+
+
+def process_batch(job) -> BatchResult:
+    """`job` = (SourceConfig, source_file, start_row, rows, shape, field map) -> BatchResult."""
+    from regen.select.sources import make_drafts
+
+    src, sfile, start, rows, shape, fmap = job
+    cfg = _STATE["cfg"]
+    out = BatchResult(sfile, len(rows))
+    survivors = []
+    for d in make_drafts(src, cfg, sfile, start, rows, shape, fmap, {}):
+        if d.error:
+            out.rejects.append(reject_row(d, d.filter, d.error, None, payload(d.raw)))
+            out.drops[d.filter] += 1
+            continue
+        d.num_prompt_tokens = prompt_tokens(d)
+        for f in _STATE["filters"]:
+            dec = f(d)
+            if not dec.keep:
+                out.rejects.append(reject_row(d, f.name, dec.reason, dec.score,
+                                              payload({"messages": d.messages, "tools": d.tools})))
+                out.drops[f.name] += 1
+                break
+        else:
+            survivors.append(d)
+    if survivors:
+        out.table = pa.Table.from_pylist([
+            PromptRecord(
+                prompt_id=d.prompt_id, messages=d.messages, tools=d.tools, category=d.category, language=d.language,
+                source=d.source, source_file=d.source_file, source_row=d.source_row,
+                num_turns=sum(1 for m in d.messages if m["role"] == "user"), num_prompt_tokens=d.num_prompt_tokens,
+            ).to_arrow_row()
+            for d in survivors
+        ], schema=PROMPT_SCHEMA)
+        out.norms = [conversation_text(d) for d in survivors]
+        if _STATE["near"]:
+            out.sigs = _STATE["hasher"].signatures(out.norms, normalized=True)
+    return out
+
+
+class BatchRunner:
+    """Runs `process_batch` over jobs in order: inline (workers <= 1) or in a fork pool with bounded in-flight."""
+
+    def __init__(self, workers: int):
+        self.workers = workers
+        self.pool = None
+        if workers > 1:
+            self.pool = mp.get_context("fork").Pool(workers)
+
+    def map(self, jobs):
+        """Yield `(meta, BatchResult)` for `(meta, job)` items in order (`(meta, None)` for a None job)."""
+        if self.pool is None:
+            for meta, job in jobs:
+                yield meta, (process_batch(job) if job is not None else None)
+            return
+        pending: deque = deque()
+        for meta, job in jobs:
+            pending.append((meta, self.pool.apply_async(process_batch, (job,)) if job is not None else None))
+            if len(pending) >= 2 * self.workers:
+                m, r = pending.popleft()
+                yield m, (r.get() if r is not None else None)
+        while pending:
+            m, r = pending.popleft()
+            yield m, (r.get() if r is not None else None)
+
+    def close(self, error: bool = False) -> None:
+        """Stop the workers (terminate them when `error`, so a failing run does not wait for queued batches)."""
+        if self.pool is not None:
+            if error:
+                self.pool.terminate()
+            else:
+                self.pool.close()
+            self.pool.join()
+            self.pool = None

@@ -1,0 +1,492 @@
+"""`regen select`: a raw prompt pool -> a deduplicated, filtered, seeded selection in the requested mix.
+
+Pipeline (one pass over the sources, streaming in `batch_rows` batches):
+  1. read + normalize each row (`regen.select.sources`, `regen.select.shapes`), label category and language
+     (`regen.select.classify`); malformed rows are rejects with filter `parse`
+  2. row filters in config order (`filters.prompt`); exact dedup is stateful, first occurrence kept
+  3. MinHash signatures of the survivors (`filters.dedup`), then near dedup over the whole pool
+  4. selection (`plan_mix`, `select_rows`): per-source and per-language caps bound the eligible pool (rows
+     beyond a cap, in seeded key order, are not eligible); each category gets round(total * share)
+     (largest remainder); a category short of supply gives its shortfall to the others in proportion to
+     their shares (`shortfall_policy: redistribute`; `report_only` leaves it unfilled). Within a category
+     the rows with the smallest seeded keys (sha of seed + prompt_id) are taken: same seed, same prompt_id
+     list; another seed, another sample in the same mix.
+Outputs: `prompts/part-*.parquet` (PROMPT_SCHEMA, ordered by seeded key) + `prompts/manifest.json`,
+`rejected/select/part-*.parquet` (REJECTED_SCHEMA). Accounting per source file:
+input_rows = selected + rejected + not_selected, checked before the manifest is written.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from filters.dedup import MinHasher, near_duplicates
+from filters.prompt import PROMPT_FILTERS, ContaminationIndex
+from regen.select.batches import BatchRunner, configure, payload
+from regen.config.select import SelectConfig, SourceConfig
+from regen.errors import InputError
+from regen.rundir import RunDir
+from regen.select.sources import benchmark_texts, iter_raw_batches, shape_of, source_files
+from schemas.io import write_parquet_atomic, write_rows_atomic
+from schemas.prompt import CATEGORIES, PROMPT_SCHEMA, SCHEMA_VERSION, canonical_json
+from schemas.rejected import REJECTED_SCHEMA, RejectedRecord
+
+STAGE = "select"
+MANIFEST_SCHEMA = "regen.prompts.manifest"
+
+
+# ------------------------------------------------------------------------------------------ selection
+
+
+def largest_remainder(total: int, weights: dict[str, float]) -> dict[str, int]:
+    """Integers proportional to `weights` summing to `total` (Hamilton's method; ties by name)."""
+    s = sum(weights.values())
+    if total <= 0 or s <= 0:
+        return {k: 0 for k in weights}
+    raw = {k: total * w / s for k, w in weights.items()}
+    out = {k: int(v) for k, v in raw.items()}
+    rest = total - sum(out.values())
+    for k in sorted(raw, key=lambda k: (-(raw[k] - out[k]), k))[:rest]:
+        out[k] += 1
+    return out
+
+
+def plan_mix(shares: dict[str, float], supply: dict[str, int], total: int, policy: str = "redistribute") -> dict:
+    """Per-category targets for `total` prompts given `supply` (eligible rows per category).
+
+    Returns {"target": requested counts, "alloc": counts to select, "shortfall": {cat: missing}}. With
+    `redistribute`, the missing rows go to categories with spare supply in proportion to their shares
+    (repeated until no spare supply is left among categories with a share > 0).
+    """
+    target = largest_remainder(total, shares)
+    alloc = {c: min(target[c], supply.get(c, 0)) for c in shares}
+    shortfall = {c: target[c] - alloc[c] for c in shares if target[c] > alloc[c]}
+    if policy == "redistribute":
+        missing = total - sum(alloc.values())
+        while missing > 0:
+            spare = {c: supply.get(c, 0) - alloc[c] for c in shares if shares[c] > 0 and supply.get(c, 0) > alloc[c]}
+            if not spare:
+                break
+            extra = largest_remainder(missing, {c: shares[c] for c in spare})
+            moved = 0
+            for c, n in extra.items():
+                n = min(n, spare[c])
+                alloc[c] += n
+                moved += n
+            missing -= moved
+            if moved == 0:
+                break
+    return {"target": target, "alloc": alloc, "shortfall": shortfall}
+
+
+def seeded_keys(prompt_ids: list[str], seed: int) -> np.ndarray:
+    """uint64 sort keys: sha256(seed:prompt_id) first 8 bytes. Deterministic, independent of row order."""
+    prefix = f"{seed}:".encode()
+    return np.fromiter(
+        (int.from_bytes(hashlib.sha256(prefix + p.encode()).digest()[:8], "big") for p in prompt_ids),
+        dtype=np.uint64, count=len(prompt_ids),
+    )
+
+
+def select_rows(pool: pa.Table, cfg: SelectConfig, seed: int, keep: np.ndarray | None = None) -> tuple[np.ndarray, dict]:
+    """Indices of `pool` rows to select (ordered by seeded key) and the mix report (see module docstring).
+
+    `keep` (bool[pool.num_rows]) marks the rows still in the pool after near dedup (default: all).
+    """
+    n = pool.num_rows
+    keys = seeded_keys(pool.column("prompt_id").to_pylist(), seed)
+    order = np.argsort(keys, kind="stable")
+    cats = np.asarray(pool.column("category").to_pylist(), dtype=object)
+    eligible = np.ones(n, dtype=bool) if keep is None else keep.copy()
+    capped = Counter()
+    for column, caps in (("source", cfg.max_per_source), ("language", cfg.max_per_language)):
+        if not caps:
+            continue
+        values = np.asarray(pool.column(column).to_pylist(), dtype=object)
+        seen: Counter = Counter()
+        for i in order:
+            v = values[i]
+            if v in caps and eligible[i]:
+                if seen[v] >= caps[v]:
+                    eligible[i] = False
+                    capped[f"{column}:{v}"] += 1
+                else:
+                    seen[v] += 1
+    shares = cfg.shares()
+    supply = Counter(cats[eligible].tolist())
+    plan = plan_mix(shares, dict(supply), cfg.total, cfg.shortfall_policy)
+    taken: Counter = Counter()
+    chosen = []
+    for i in order:
+        if eligible[i]:
+            c = cats[i]
+            if taken[c] < plan["alloc"].get(c, 0):
+                taken[c] += 1
+                chosen.append(i)
+    chosen_arr = np.asarray(chosen, dtype=np.int64)
+    num = max(len(chosen), 1)
+    mix = {
+        c: {
+            "share_requested": round(shares[c], 6),
+            "target": plan["target"][c],
+            "available": int(supply.get(c, 0)),
+            "selected": int(taken.get(c, 0)),
+            "share_selected": round(taken.get(c, 0) / num, 6),
+            "shortfall": int(plan["shortfall"].get(c, 0)),
+        }
+        for c in CATEGORIES
+    }
+    report = {"mix": mix, "capped": dict(capped), "num_selected": len(chosen), "num_requested": cfg.total,
+              "total_shortfall": max(0, cfg.total - len(chosen))}
+    return chosen_arr, report
+
+
+# --------------------------------------------------------------------------------------------- writing
+
+
+class RejectWriter:
+    """Buffers rejected rows and writes `rejected/select/part-NNNNN.parquet` files atomically."""
+
+    def __init__(self, directory: Path, flush_rows: int = 20_000):
+        self.dir = directory
+        self.rows: list[dict] = []
+        self.parts: list[dict] = []
+        self.flush_rows = flush_rows
+
+    def add(self, rec: RejectedRecord) -> None:
+        self.add_row(rec.to_arrow_row())
+
+    def add_row(self, row: dict) -> None:
+        """Add one REJECTED_SCHEMA row dict."""
+        self.rows.append(row)
+        if len(self.rows) >= self.flush_rows:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.rows:
+            name = f"part-{len(self.parts):05d}.parquet"
+            self.parts.append(write_rows_atomic(self.rows, self.dir / name, REJECTED_SCHEMA))
+            self.rows = []
+
+
+_payload = payload
+
+
+def _clear(directory: Path, pattern: str) -> None:
+    for p in directory.glob(pattern):
+        p.unlink()
+
+
+def config_hash(cfg: SelectConfig, seed: int, extra: list[str], files: list[tuple[str, int, int]] = ()) -> str:
+    """Hash of what determines the selection: the select config, the seed, extra sources and the input files
+    (path, size, mtime_ns), so a changed pool path or file is never mistaken for a finished run."""
+    payload = {"select": cfg.model_dump(), "seed": seed, "extra": extra, "files": [list(f) for f in files]}
+    return hashlib.sha256(canonical_json(payload).encode()).hexdigest()[:16]
+
+
+def _all_sources(cfg: SelectConfig, extra_sources: list[str] | None) -> list[SourceConfig]:
+    sources = list(cfg.sources)
+    names = {s.name for s in sources}
+    for p in extra_sources or []:
+        path = Path(p).resolve()
+        name = path.stem or str(path)
+        while name in names:
+            name += "_"
+        names.add(name)
+        sources.append(SourceConfig(name=name, path=str(path)))
+    if not sources:
+        raise InputError("select: no sources; add select.sources to the profile or pass --source PATH")
+    return sources
+
+
+def _file_rows(path: str, kind: str) -> int | None:
+    if kind == "parquet":
+        import pyarrow.parquet as pq
+
+        return pq.ParquetFile(path).metadata.num_rows
+    return None
+
+
+def run_select(cfg: SelectConfig, run: RunDir, *, seed: int, extra_sources: list[str] | None = None,
+               progress: bool = True) -> dict:
+    """Select prompts into `run.prompts` (parts + manifest.json) and `run.rejected("select")`; returns the manifest.
+
+    Resumable: an existing manifest with the same config hash and seed is returned as is.
+    Raises InputError for a missing source path or an unrecognized file shape.
+    """
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    extra = [str(Path(p).resolve()) for p in extra_sources or []]
+    sources = _all_sources(cfg, extra)
+    files = [(src, path, kind) for src in sources for path, kind in source_files(src)]
+    stats = [(path, _size(path), Path(path).stat().st_mtime_ns) for _, path, _ in files]
+    chash = config_hash(cfg, seed, extra, stats)
+    old = run.manifest(run.prompts)
+    if old and old.get("config_hash") == chash and old.get("seed") == seed and all(
+        (run.prompts / p["path"]).exists() for p in old.get("parts", [])
+    ):
+        return old
+    t0 = time.time()
+    run.prompts.mkdir(parents=True, exist_ok=True)
+    rej_dir = run.rejected(STAGE)
+    rej_dir.mkdir(parents=True, exist_ok=True)
+    (run.prompts / "manifest.json").unlink(missing_ok=True)
+    _clear(run.prompts, "part-*.parquet")
+    _clear(rej_dir, "part-*.parquet")
+
+    index = None
+    if "contamination" in cfg.filters and cfg.contamination_files:
+        from regen.config import resolve_path
+
+        texts = [t for f in cfg.contamination_files for t in benchmark_texts(str(resolve_path(f)))]
+        index = ContaminationIndex(texts, cfg.contamination_ngram)
+    configure(cfg, index)
+    exact = PROMPT_FILTERS["exact_dedup"].from_config(cfg) if "exact_dedup" in cfg.filters else None
+    near = PROMPT_FILTERS["near_dedup"].from_config(cfg) if "near_dedup" in cfg.filters else None
+    rejects = RejectWriter(rej_dir)
+    acct: dict[str, dict] = {}
+    drops: Counter = Counter()
+    tables: list[pa.Table] = []
+    sigs: list[np.ndarray] = []
+    total_bytes = sum(_size(p) for _, p, _ in files)
+
+    def jobs():
+        """(progress step in bytes, job) for every batch of every file, reading in the main process."""
+        for src, path, kind in files:
+            size, known, done = _size(path), _file_rows(path, kind), 0.0
+            if kind != "hf":  # an empty file is still accounted for (0 rows)
+                _acct(acct, path, src.name, None)
+            shape = fmap = None
+            for sfile, start, rows in iter_raw_batches(path, kind, cfg.batch_rows, src.fields, src.max_rows):
+                if shape is None:
+                    shape, fmap = shape_of(sfile, rows, src.fields)
+                _acct(acct, sfile, src.name, shape)
+                step = size * len(rows) / known if known else 0.0
+                done += step
+                yield step, (src, sfile, start, rows, shape, fmap)
+            if size - done > 0:
+                yield size - done, None
+
+    runner = BatchRunner(cfg.workers)
+    with Progress(TextColumn("[bold]select"), BarColumn(), TextColumn("{task.fields[rows]:,} rows"),
+                  TextColumn("{task.description}"), TimeElapsedColumn(), disable=not progress, transient=True) as bar:
+        task = bar.add_task("", total=max(total_bytes, 1), rows=0)
+        num_rows = 0
+        try:
+            for step, res in runner.map(jobs()):
+                if res is not None:
+                    num_rows += res.num_rows
+                    _merge(res, acct, drops, rejects, exact, tables, sigs)
+                bar.update(task, advance=step, rows=num_rows,
+                           description=Path(res.source_file).name if res is not None else "")
+        except BaseException:
+            runner.close(error=True)
+            raise
+        runner.close()
+        pool = pa.concat_tables(tables) if tables else PROMPT_SCHEMA.empty_table()
+        del tables
+        keep = np.ones(pool.num_rows, dtype=bool)
+        if near is not None and pool.num_rows > 1:
+            bar.update(task, description="near dedup")
+            keep = _near_dedup(pool, _stack(sigs, cfg.num_perm), near, rejects, acct, drops)
+        sigs.clear()
+        bar.update(task, description="selecting")
+        chosen, report = select_rows(pool, cfg, seed, keep)
+    selected = pool.take(pa.array(chosen, type=pa.int64())) if len(chosen) else PROMPT_SCHEMA.empty_table()
+    sel_files = Counter(selected.column("source_file").to_pylist())
+    pool_files = Counter(pool.filter(pa.array(keep)).column("source_file").to_pylist())
+    for f, a in acct.items():
+        a["selected"] = sel_files.get(f, 0)
+        a["not_selected"] = pool_files.get(f, 0) - a["selected"]
+    rejects.flush()
+    parts = []
+    for k, s in enumerate(range(0, max(selected.num_rows, 1), cfg.rows_per_part)):
+        parts.append(write_parquet_atomic(selected.slice(s, cfg.rows_per_part), run.prompts / f"part-{k:05d}.parquet",
+                                          PROMPT_SCHEMA))
+    manifest = _manifest(cfg, seed, extra, chash, selected, report, drops, acct, parts, rejects.parts, int(keep.sum()))
+    manifest["elapsed_s"] = round(time.time() - t0, 3)
+    run.write_manifest(run.prompts, manifest)
+    return manifest
+
+
+def _acct(acct: dict, name: str, source: str, shape: str | None) -> dict:
+    a = acct.setdefault(name, {"source": source, "shape": shape, "input_rows": 0, "selected": 0, "rejected": 0,
+                               "not_selected": 0})
+    a["shape"] = a["shape"] or shape
+    return a
+
+
+def _merge(res, acct: dict, drops: Counter, rejects: "RejectWriter", exact, tables: list, sigs: list) -> None:
+    """Fold one BatchResult into the run: accounting, rejects, then exact dedup (stateful, stream order)."""
+    a = acct[res.source_file]
+    a["input_rows"] += res.num_rows
+    a["rejected"] += len(res.rejects)
+    drops.update(res.drops)
+    for row in res.rejects:
+        rejects.add_row(row)
+    if res.table is None:
+        return
+    table, batch_sigs = res.table, res.sigs
+    if exact is not None:
+        ids = table.column("prompt_id").to_pylist()
+        mask = np.ones(len(ids), dtype=bool)
+        reasons = {}
+        for i, (pid, norm) in enumerate(zip(ids, res.norms)):
+            dec = exact(_Row(pid, norm))
+            if not dec.keep:
+                mask[i] = False
+                reasons[i] = dec
+        if reasons:
+            dup = table.take(pa.array(sorted(reasons), type=pa.int64())).to_pylist()
+            for i, row in zip(sorted(reasons), dup):
+                dec = reasons[i]
+                rejects.add(RejectedRecord(stage=STAGE, filter=exact.name, reason=dec.reason, score=dec.score,
+                                           source=row["source"], source_file=row["source_file"],
+                                           source_row=row["source_row"], prompt_id=row["prompt_id"],
+                                           category=row["category"],
+                                           payload=_payload({"messages": row["messages"], "tools": row["tools"]})))
+            drops[exact.name] += len(reasons)
+            a["rejected"] += len(reasons)
+            table = table.filter(pa.array(mask))
+            batch_sigs = batch_sigs[mask] if batch_sigs is not None else None
+    if table.num_rows:
+        tables.append(table)
+        if batch_sigs is not None:
+            sigs.append(batch_sigs)
+
+
+def _size(path: str) -> int:
+    p = Path(path)
+    if p.is_dir():
+        return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+    return p.stat().st_size
+
+
+def _stack(parts: list[np.ndarray], k: int) -> np.ndarray:
+    """Concatenate per-batch signatures, freeing each batch as it is copied (peak ~1x, not 2x)."""
+    out = np.empty((sum(len(p) for p in parts), k), dtype=np.uint32)
+    at = 0
+    for i, p in enumerate(parts):
+        out[at : at + len(p)] = p
+        at += len(p)
+        parts[i] = None
+    return out
+
+
+def _near_dedup(pool: pa.Table, sig: np.ndarray, near, rejects: RejectWriter, acct: dict, drops: Counter) -> np.ndarray:
+    """Reject near duplicates (see `filters.dedup.near_duplicates`); returns the keep mask over `pool`."""
+    dup, match, jac = near_duplicates(sig, near.threshold)
+    del sig
+    mask = np.ones(pool.num_rows, dtype=bool)
+    if not len(dup):
+        return mask
+    ids = pool.column("prompt_id").to_pylist()
+    near.matches = {ids[i]: (ids[j], float(s)) for i, j, s in zip(dup.tolist(), match.tolist(), jac.tolist())}
+    cols = pool.select(["prompt_id", "source", "source_file", "source_row", "category", "messages"])
+    for s in range(0, len(dup), 10_000):
+        for row in cols.take(pa.array(dup[s : s + 10_000], type=pa.int64())).to_pylist():
+            _near_reject(row, near, rejects, acct, drops)
+    mask[dup] = False
+    return mask
+
+
+def _near_reject(row: dict, near, rejects: RejectWriter, acct: dict, drops: Counter) -> None:
+    dec = near(_Row(row["prompt_id"]))
+    assert not dec.keep, "near_duplicates returns verified pairs only"
+    rejects.add(RejectedRecord(stage=STAGE, filter=near.name, reason=dec.reason, score=dec.score,
+                               source=row["source"], source_file=row["source_file"], source_row=row["source_row"],
+                               prompt_id=row["prompt_id"], category=row["category"],
+                               payload=_payload(row["messages"])))
+    drops[near.name] += 1
+    acct[row["source_file"]]["rejected"] += 1
+
+
+class _Row:
+    """The fields the dedup filters read: prompt_id and the cached normalized conversation text."""
+
+    def __init__(self, prompt_id, norm=None):
+        self.prompt_id = prompt_id
+        self.messages = []
+        self.tools = None
+        self.extra = {"norm": norm} if norm is not None else {}
+
+
+def _manifest(cfg, seed, extra, chash, selected, report, drops, acct, parts, rej_parts, pool_rows) -> dict:
+    def counts(col):
+        return dict(sorted(Counter(selected.column(col).to_pylist()).items())) if selected.num_rows else {}
+
+    totals = {k: sum(a[k] for a in acct.values()) for k in ("input_rows", "selected", "rejected", "not_selected")}
+    bad = {f: a for f, a in acct.items() if a["input_rows"] != a["selected"] + a["rejected"] + a["not_selected"]}
+    if bad:
+        raise AssertionError(f"accounting does not close for {sorted(bad)}")
+    return {
+        "schema": MANIFEST_SCHEMA,
+        "schema_version": SCHEMA_VERSION,
+        "stage": STAGE,
+        "seed": seed,
+        "config_hash": chash,
+        "config": cfg.model_dump(),
+        "extra_sources": extra,
+        "num_prompts": selected.num_rows,
+        "num_requested": cfg.total,
+        "num_eligible": pool_rows,
+        "parts": parts,
+        "rejected_parts": rej_parts,
+        "counts": {"category": counts("category"), "language": counts("language"), "source": counts("source")},
+        "mix": report["mix"],
+        "shortfall_policy": cfg.shortfall_policy,
+        "total_shortfall": report["total_shortfall"],
+        "capped": report["capped"],
+        "filters": {name: int(drops.get(name, 0)) for name in ["parse", "not_a_prompt", *cfg.filters]},
+        "accounting": {"files": acct, "totals": totals, "closed": True},
+    }
+
+
+# ----------------------------------------------------------------------------------------------- CLI
+
+
+def print_mix(manifest: dict) -> None:
+    """The mix table (rich): requested vs selected share per category, with shortfall and drop counts."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"prompt mix: {manifest['num_prompts']:,} of {manifest['num_requested']:,} requested "
+                        f"(seed {manifest['seed']})")
+    for col in ("category", "requested", "target", "available", "selected", "share", "shortfall"):
+        table.add_column(col, justify="left" if col == "category" else "right")
+    for c, m in manifest["mix"].items():
+        table.add_row(c, f"{m['share_requested']:.1%}", f"{m['target']:,}", f"{m['available']:,}", f"{m['selected']:,}",
+                      f"{m['share_selected']:.1%}", f"{m['shortfall']:,}" if m["shortfall"] else "")
+    con = Console()
+    con.print(table)
+    t = manifest["accounting"]["totals"]
+    con.print(f"input rows {t['input_rows']:,} = selected {t['selected']:,} + rejected {t['rejected']:,} "
+              f"+ not selected {t['not_selected']:,}")
+    con.print("drops: " + ", ".join(f"{k} {v:,}" for k, v in manifest["filters"].items() if v))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from regen.config import add_profile_arguments
+
+    add_profile_arguments(parser)
+    parser.add_argument("--source", action="append", default=[], metavar="PATH",
+                        help="an extra prompt pool (file, directory or HF dataset dir); repeatable")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def main(args) -> int:
+    from regen.config import load_profile_from_args
+
+    profile, run = load_profile_from_args(args)
+    manifest = run_select(profile.select, run, seed=profile.seed, extra_sources=args.source,
+                          progress=not args.no_progress)
+    print_mix(manifest)
+    return 0

@@ -1,0 +1,22 @@
+"""Stage 4, train: `shards/` + the target model -> a DSpark draft (`train/checkpoints/step-*/`) and its acc_len.
+
+In:  token shards (read through `schemas.shard` and their manifest's contract), the target from a local path.
+Out: servable draft checkpoints (`config.json` + `model.safetensors`) with resumable state; `eval.json`.
+
+Modules, in reading order:
+    draft_config.py  `DSparkConfig`: every field serving reads (spec §8) and the training knobs (§5)
+    layers.py        norms, YaRN RoPE, MLA / GQA block attention, Markov and confidence heads
+    model.py         `DSparkDraft`: tap context path, block backbone, heads; save / load
+    loss.py          anchors, block mask, decay weights, CE + L1 + confidence (spec §5)
+    fused_loss.py    the vocabulary-wide terms in one chunked pass
+    target.py        the target's tap hidden states, computed on the fly
+    feed.py          shards -> micro-batches, per rank, checksummed, resumable, `--follow`
+    draft_vocab.py   the reduced draft vocabulary (EAGLE-3 d2t / t2d)
+    parallel.py      process group and FSDP2, applied in one function
+    checkpoint.py    servable draft + exact resume state
+    loop.py          the training loop, top to bottom
+    eval.py          acc_len against the target on held-out prompts (spec §7)
+
+Entry points: `regen.train.loop.run_train(cfg: TrainConfig, run: RunDir)`, `regen.train.eval.run_eval(...)`;
+CLI `regen train`, `regen eval`; `python -m regen.train` / `torchrun ... -m regen.train -- ...`.
+"""

@@ -1,0 +1,168 @@
+"""The DSpark draft's config: every field serving reads from `config.json` (spec §8) plus the training knobs (§5).
+
+`DSparkConfig` is what `regen.train.model.DSparkDraft` is built from and what a checkpoint's `config.json`
+holds; `kimi_k3_config` is the full-size K3 draft, `small_config_for_target` a small draft for a small HF
+target. Spec: shared/docs/dspark.md.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+FROZEN_PREFIXES = ("embed_tokens.", "lm_head.")
+
+
+@dataclass(frozen=True)
+class DSparkConfig:
+    """Every field serving needs (spec §8, K3 MLA style `k3_dspark`) plus the training knobs of §5.
+
+    `num_target_layers` is derived (= number of taps, the K3 meaning; DS uses it for the target's layer count,
+    which is `target_num_hidden_layers` here). Raises ValueError on an invalid combination.
+    """
+
+    model_type: str = "k3_dspark"
+    attention_type: str = "mla"  # "mla" (K3, spec §2 table) | "gqa" (DS/Qwen3 style)
+    block_size: int = 7
+    num_hidden_layers: int = 5  # draft layers
+    hidden_size: int = 7168
+    intermediate_size: int = 14336
+    num_attention_heads: int = 64
+    # MLA dims (spec §2 table); q_lora_rank 0 = plain q_proj
+    q_lora_rank: int = 1536
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    # GQA dims (attention_type "gqa")
+    num_key_value_heads: int = 8
+    head_dim: int = 128
+    rms_norm_eps: float = 1e-6
+    rope_parameters: dict = field(default_factory=lambda: {
+        "rope_type": "yarn", "rope_theta": 50000.0, "factor": 32.0, "original_max_position_embeddings": 32768,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0})
+    rope_interleave: bool = True
+    max_position_embeddings: int = 1048576
+    vocab_size: int = 163840
+    # target contract (spec §1, §8)
+    target_hidden_size: int = 7168
+    target_num_hidden_layers: int = 93
+    target_layer_ids: tuple[int, ...] = (7, 31, 47, 63, 87)
+    aux_hidden_stream: str = "prefix"  # "prefix" | "attn_res"
+    norm_convention: str = "final_norm"  # p_t = softmax(lm_head(final_norm(h_last))), spec §1
+    fc_norm: bool = False
+    mask_token_id: int = 163837
+    markov_rank: int = 256
+    markov_head_type: str = "vanilla"
+    enable_confidence_head: bool = True
+    confidence_head_with_markov: bool = True
+    eos_token_id: tuple[int, ...] = (163586,)
+    pad_token_id: int | None = 163839
+    draft_vocab_size: int = 0  # 0 = the target's full vocabulary; else the reduced output vocabulary (d2t/t2d)
+    embed_scale: float = 1.0  # Gemma-style targets scale embeddings by sqrt(H)
+    final_logit_softcapping: float | None = None
+    tie_word_embeddings: bool = False
+    # training (spec §5)
+    num_anchors: int = 512
+    loss_decay_gamma: float = 4.0
+
+    def __post_init__(self):
+        object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
+        eos = self.eos_token_id
+        object.__setattr__(self, "eos_token_id", tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),))
+        ids = self.target_layer_ids
+        if not ids or list(ids) != sorted(set(ids)):
+            raise ValueError(f"target_layer_ids {list(ids)} must be non-empty, unique and ascending (spec §8)")
+        if ids[0] < -1 or ids[-1] >= self.target_num_hidden_layers - 1:
+            raise ValueError(
+                f"target_layer_ids {list(ids)}: each id must be in [-1, {self.target_num_hidden_layers - 2}]; "
+                "a tap on the last layer is refused (its HF hidden state is already final-normed, spec §1)")
+        if self.attention_type not in ("mla", "gqa"):
+            raise ValueError(f"attention_type {self.attention_type!r}: use 'mla' or 'gqa'")
+        if self.aux_hidden_stream not in ("prefix", "attn_res"):
+            raise ValueError(f"aux_hidden_stream {self.aux_hidden_stream!r}: use 'prefix' or 'attn_res'")
+        if self.markov_head_type != "vanilla":
+            raise ValueError(f"markov_head_type {self.markov_head_type!r}: only 'vanilla' is supported (spec §3)")
+        if self.block_size < 1 or self.markov_rank < 0 or not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError("block_size >= 1, markov_rank >= 0 and 0 <= mask_token_id < vocab_size required")
+        if not 0 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} must be in [0, vocab_size "
+                             f"{self.vocab_size}] (0 = the full vocabulary)")
+
+    @property
+    def output_vocab_size(self) -> int:
+        """Vd: rows of the draft's lm_head (draft_vocab_size, or vocab_size when it is 0)."""
+        return self.draft_vocab_size or self.vocab_size
+
+    @property
+    def num_target_layers(self) -> int:
+        """Number of taps (K3 meaning, spec §8)."""
+        return len(self.target_layer_ids)
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["target_layer_ids"] = list(self.target_layer_ids)
+        d["eos_token_id"] = list(self.eos_token_id)
+        d["num_target_layers"] = self.num_target_layers
+        d["architectures"] = ["DSparkDraft"]
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DSparkConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known - {"num_target_layers", "architectures"}
+        if unknown:
+            raise ValueError(f"unknown DSparkConfig fields {sorted(unknown)}")
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+    @classmethod
+    def from_json(cls, text_or_path: str | Path) -> "DSparkConfig":
+        p = Path(text_or_path) if not str(text_or_path).lstrip().startswith("{") else None
+        return cls.from_dict(json.loads(p.read_text() if p is not None else str(text_or_path)))
+
+
+def kimi_k3_config(**overrides) -> DSparkConfig:
+    """The full-size K3 MLA draft (spec §2 table, TS taps `[7,31,47,63,87]` with fc_norm + attn_res, §6/§8)."""
+    base = dict(fc_norm=True, aux_hidden_stream="attn_res", target_layer_ids=(7, 31, 47, 63, 87))
+    base.update(overrides)
+    return DSparkConfig(**base)
+
+
+def small_config_for_target(target_config, *, target_layer_ids, num_hidden_layers: int = 1,
+                            markov_rank: int = 32, block_size: int = 7, mask_token_id: int | None = None,
+                            attention_type: str = "mla", **overrides) -> DSparkConfig:
+    """A small MLA draft for a (small) HF target config: H = target hidden, dims scaled down (spec §9).
+
+    `target_config` is a transformers text config (hidden_size, num_hidden_layers, vocab_size, ...).
+    """
+    tc = getattr(target_config, "text_config", None) or target_config
+    H = tc.hidden_size
+    heads = max(1, min(8, H // 32))
+    eos = getattr(tc, "eos_token_id", None)
+    eos = [] if eos is None else (list(eos) if isinstance(eos, (list, tuple)) else [eos])
+    emb_scale = math.sqrt(H) if "gemma" in str(getattr(tc, "model_type", "")) else 1.0
+    mask_id = mask_token_id if mask_token_id is not None else tc.vocab_size - 1
+    cfg = dict(
+        attention_type=attention_type, block_size=block_size, num_hidden_layers=num_hidden_layers,
+        hidden_size=H, intermediate_size=getattr(tc, "intermediate_size", 4 * H), num_attention_heads=heads,
+        q_lora_rank=0, kv_lora_rank=max(16, H // 4), qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+        num_key_value_heads=max(1, heads // 2), head_dim=32, rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6),
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        max_position_embeddings=getattr(tc, "max_position_embeddings", 4096), vocab_size=tc.vocab_size,
+        target_hidden_size=H, target_num_hidden_layers=tc.num_hidden_layers, target_layer_ids=tuple(target_layer_ids),
+        mask_token_id=mask_id, markov_rank=markov_rank, eos_token_id=tuple(eos),
+        pad_token_id=getattr(tc, "pad_token_id", None), embed_scale=emb_scale,
+        final_logit_softcapping=getattr(tc, "final_logit_softcapping", None), num_anchors=64,
+    )
+    cfg.update(overrides)
+    return DSparkConfig(**cfg)

@@ -1,0 +1,359 @@
+"""`regen eval`: a draft's acceptance length (acc_len, τ) against its target under greedy verification.
+
+Protocol: shared/docs/dspark.md §7 (DS `eval/base_evaluator.py`). The first output token comes from the prefill
+and is not counted; each round verifies `[anchor, d_1…d_K]`, accepts the longest prefix that matches the
+target's argmax, and commits one bonus token (the target's argmax at the first mismatch or after d_K), so
+`τ_round = accepted + 1`. A stop token accepted at 1-based j ends generation with `τ_round = j` (no bonus); a
+stop bonus ends it with `τ_round = accepted + 1`. `acc_len = Σ τ_round / #rounds`; `accept_rate@k` = rounds
+with more than k accepted / rounds proposing more than k (a stop cuts the proposal length to j).
+
+Greedy verification is lossless, so the committed text is exactly the target's greedy continuation. We
+therefore generate that continuation once per prompt (KV cache), run the target once over prompt +
+continuation to get the tap features and the argmax at every position, and replay the rounds against it:
+the same rounds and τ as a verify-per-round loop (causality makes the features of committed tokens
+identical), at one target pass per prompt. The draft proposes from the features of positions `< anchor`
+(spec §2 Inference), recomputing its context each round (no draft KV cache: same numbers, more compute).
+
+Held-out prompts: `is_heldout(prompt_id, fraction)` (a sha256 bucket of the prompt id); the trainer's feed
+drops the same prompts (`regen.train.feed`), so evaluation never sees a trained-on prompt. The prompt of a shard row
+is its `input_ids` before the first loss span (first turn, as in DS).
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+HELDOUT_BUCKETS = 1_000_000
+
+
+def is_heldout(prompt_id: str, fraction: float) -> bool:
+    """True for the `fraction` of prompt ids kept out of training: sha256(prompt_id) mod 10⁶ < fraction·10⁶."""
+    if fraction <= 0:
+        return False
+    h = int(hashlib.sha256(prompt_id.encode("utf-8")).hexdigest(), 16)
+    return h % HELDOUT_BUCKETS < round(fraction * HELDOUT_BUCKETS)
+
+
+@dataclass(frozen=True)
+class Round:
+    """One verification round: `accepted` drafts, `tau` committed tokens, `proposed` (effective) drafts."""
+
+    accepted: int
+    tau: int
+    proposed: int
+    stopped: bool
+
+
+def score_round(drafts, target_next, stop_ids) -> Round:
+    """Greedy verification of one round (spec §7).
+
+    drafts: the K proposed tokens d_1…d_K. target_next: the target's argmax after each verify input
+    `[anchor, d_1, …]` (target_next[i] is compared with d_{i+1}; target_next[accepted] is the bonus); it may be
+    shorter than K+1 only if it ends in a stop token. stop_ids: the generation config's eos ids.
+    """
+    stop = set(stop_ids)
+    accepted = 0
+    for i, d in enumerate(drafts):
+        if i >= len(target_next) or int(d) != int(target_next[i]):
+            break
+        accepted += 1
+        if int(d) in stop:  # stop token accepted at j = i + 1: no bonus, generation ends
+            return Round(accepted, accepted, accepted, True)
+    bonus = int(target_next[accepted])
+    return Round(accepted, accepted + 1, len(drafts), bonus in stop)
+
+
+def summarize(rounds: list[Round], block_size: int) -> dict:
+    """{acc_len, num_rounds, accepted_draft_tokens, accept_rate: {"0": …, …, str(K−1): …}} (None where no round
+    proposed more than k)."""
+    n = len(rounds)
+    rates = {}
+    for k in range(block_size):
+        prop = sum(1 for r in rounds if r.proposed > k)
+        acc = sum(1 for r in rounds if r.accepted > k)
+        rates[str(k)] = acc / prop if prop else None
+    return {"acc_len": sum(r.tau for r in rounds) / n if n else None, "num_rounds": n,
+            "accepted_draft_tokens": sum(r.accepted for r in rounds), "accept_rate": rates}
+
+
+def replay_rounds(propose, sequence: list[int], target_argmax: list[int], prompt_len: int, *,
+                  max_new_tokens: int, block_size: int, stop_ids) -> list[Round]:
+    """Rounds of speculative greedy decoding replayed against the target's greedy `sequence`.
+
+    propose(anchor_pos) -> K draft tokens (features of positions < anchor_pos, anchor = sequence[anchor_pos]).
+    target_argmax[i]: the target's argmax after position i of `sequence` (so target_argmax[i] = sequence[i+1]
+    where generated). The loop ends at a stop, after `max_new_tokens` generated tokens, or when the known
+    continuation is too short to verify a full round.
+    """
+    stop = set(stop_ids)
+    rounds: list[Round] = []
+    pos = prompt_len  # the prefill token: committed, not counted
+    if pos >= len(sequence) or sequence[pos] in stop:
+        return rounds
+    while pos - prompt_len < max_new_tokens:
+        window = target_argmax[pos: pos + block_size + 1]
+        end = next((i + 1 for i, t in enumerate(window) if t in stop), None)
+        if end is not None:
+            window = window[:end]
+        elif len(window) < block_size + 1:
+            break  # not enough known continuation to verify a full block
+        r = score_round(propose(pos), window, stop)
+        rounds.append(r)
+        pos += r.tau
+        if r.stopped:
+            break
+    return rounds
+
+
+def resolve_draft_dir(path: str | Path) -> Path:
+    """A checkpoint folder (with config.json), or a folder with `latest.json` (`<run>/train`), or a run dir."""
+    from regen.errors import InputError
+    from schemas.io import read_json
+
+    p = Path(path)
+    for cand in (p, p / "train"):
+        if (cand / "config.json").exists():
+            return cand
+        latest = read_json(cand / "latest.json") if (cand / "latest.json").exists() else None
+        if latest and (cand / latest["path"] / "config.json").exists():
+            return cand / latest["path"]
+    raise InputError(f"--draft {str(p)!r}: no config.json, train/latest.json or latest.json found; give a "
+                     "checkpoint folder such as runs/local/train/checkpoints/step-000100")
+
+
+def heldout_prompts(run, fraction: float, num_prompts: int) -> list[dict]:
+    """Held-out rows of `run.shards` (one per prompt_id, ordered by hash): {prompt_id, category, prompt_ids}."""
+    import pyarrow.parquet as pq
+
+    from regen.errors import InputError
+
+    manifest = run.manifest(run.shards)
+    if not manifest or not manifest.get("shards"):
+        raise InputError(f"{run.shards}/manifest.json lists no shards: run `regen render` first")
+    seen: dict[str, dict] = {}
+    for entry in manifest["shards"]:
+        t = pq.read_table(run.shards / entry["path"], columns=["prompt_id", "category", "input_ids", "loss_spans"])
+        for row in t.to_pylist():
+            pid = row["prompt_id"]
+            if pid in seen or not row["loss_spans"] or not is_heldout(pid, fraction):
+                continue
+            start = row["loss_spans"][0]["start"]
+            if start > 0:
+                seen[pid] = {"prompt_id": pid, "category": row["category"] or "unknown",
+                             "prompt_ids": row["input_ids"][:start]}
+    order = sorted(seen, key=lambda pid: hashlib.sha256(pid.encode()).hexdigest())
+    return [seen[pid] for pid in order[:num_prompts]]
+
+
+def greedy_reference(target, prompt_ids: list[int], num_tokens: int, stop_ids) -> tuple[list[int], list[int], object]:
+    """(sequence = prompt + greedy continuation, argmax after each position, taps [S, T·Ht]) from the target.
+
+    The continuation is cut where the cached generation and the full-pass argmax disagree (near-ties), so the
+    replay only uses positions where both agree.
+    """
+    import torch
+
+    model = target.model
+    ids = torch.tensor([prompt_ids], device=target.device)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=num_tokens,
+                             eos_token_id=list(stop_ids), pad_token_id=list(stop_ids)[0])
+    seq = out[0].tolist()
+    taps, last = target.features(out, torch.ones_like(out))
+    argmax = target.logits(last[0]).argmax(-1).tolist()
+    P = len(prompt_ids)
+    for i in range(P, len(seq)):
+        if argmax[i - 1] != seq[i]:
+            seq = seq[:i]
+            break
+    return seq, argmax[: len(seq)], taps[0]
+
+
+def proposal_table(draft, taps_SX, sequence: list[int], first: int, chunk: int = 128,
+                   confidence_threshold: float = 0.0) -> list[list[int]]:
+    """The draft's greedy block at every anchor position first…len(sequence)−1 (`DSparkDraft.propose_batch`,
+    equal to one `propose` per round): list of token lists, index = anchor − first.
+
+    With `confidence_threshold` > 0 a block is cut before the first slot with c_k < threshold (DS static
+    threshold, spec §4; a round may then propose nothing and commit one target token); 0 proposes the full
+    block (DS default)."""
+    import torch
+
+    dev = next(draft.parameters()).device
+    ids = torch.tensor([sequence], device=dev)
+    taps = taps_SX[None].to(dev)
+    out: list[list[int]] = []
+    for start in range(first, len(sequence), chunk):
+        anchors = torch.arange(start, min(start + chunk, len(sequence)), device=dev)[None]
+        tokens, conf = draft.propose_batch(taps, ids, anchors)
+        for toks, cs in zip(tokens[0].tolist(), conf[0].tolist()):
+            cut = next((k for k, c in enumerate(cs) if c < confidence_threshold), len(toks))
+            out.append(toks[:cut])
+    return out
+
+
+def evaluate(target, drafts: dict, prompts: list[dict], *, max_new_tokens: int, stop_ids, block_size: int,
+             confidence_threshold: float = 0.0, progress: bool = False) -> dict:
+    """acc_len of each draft in `drafts` ({name: DSparkDraft}) over `prompts` (see `heldout_prompts`).
+
+    Returns {name: {acc_len, num_rounds, accept_rate, per_category: {cat: {acc_len, num_rounds, ...}}}}.
+    """
+    rounds = {name: {} for name in drafts}
+    for n, p in enumerate(prompts):
+        seq, argmax, taps = greedy_reference(target, p["prompt_ids"], max_new_tokens + block_size + 1, stop_ids)
+        P = len(p["prompt_ids"])
+        for name, draft in drafts.items():
+            table = proposal_table(draft, taps, seq, P, confidence_threshold=confidence_threshold)
+
+            def propose(pos, table=table, P=P):
+                return table[pos - P]
+
+            r = replay_rounds(propose, seq, argmax, P, max_new_tokens=max_new_tokens, block_size=block_size,
+                              stop_ids=stop_ids)
+            rounds[name].setdefault(p["category"], []).extend(r)
+        if progress:
+            print(f"eval: prompt {n + 1}/{len(prompts)} ({len(seq) - len(p['prompt_ids'])} tokens)", flush=True)
+    result = {}
+    for name, by_cat in rounds.items():
+        every = [r for rs in by_cat.values() for r in rs]
+        result[name] = summarize(every, block_size)
+        result[name]["per_category"] = {c: summarize(rs, block_size) for c, rs in sorted(by_cat.items())}
+    return result
+
+
+RESERVED_NAMES = frozenset({"trained", "untrained", "num_prompts", "num_prompts_asked", "seed", "draft",
+                            "draft_sha256", "target", "heldout_fraction", "max_new_tokens", "block_size",
+                            "markov_rank", "stop_token_ids", "temperature", "drafts", "confidence_threshold",
+                            "protocol", "elapsed_s"})
+
+
+def run_eval(cfg, run, *, draft_dir, seed: int | None = None, num_prompts: int = 32, max_new_tokens: int = 64,
+             confidence_threshold: float = 0.0, progress: bool = True, compare: dict | None = None,
+             out_path: str | Path | None = None) -> dict:
+    """Measure the trained draft in `draft_dir` and an untrained draft of the same config (seeded) on the run's
+    held-out prompts; write `out_path` (default `<run>/eval.json`) atomically and return it.
+
+    compare: {name: draft dir} of further trained drafts of the same target and block size measured on the same
+    prompts and reported under their names (e.g. {"markov_rank_0": ...}, the spec §9 ablation); InputError for
+    a reserved name (`RESERVED_NAMES`), a missing dir or another block size, before the target loads.
+
+    cfg: TrainConfig (target path, heldout_fraction, seed); run: RunDir. Raises InputError for a missing
+    target, draft or shards, and ContractError when the profile's tap contract differs from the draft's.
+    """
+    import torch
+
+    from regen.config import resolve_path
+    from regen.train.model import DSparkDraft, load_draft
+    from regen.errors import InputError
+    from regen.train.target import TargetContract, TargetFeatures
+    from schemas.io import sha256_file, write_json_atomic
+
+    t0 = time.perf_counter()
+    ddir = resolve_draft_dir(draft_dir)
+    from regen.train.model import DSparkConfig
+
+    dcfg = DSparkConfig.from_json(ddir / "config.json")
+    contract = TargetContract.from_draft_config(dcfg)
+    others = {}  # checked before the target loads: a typo costs seconds, not a model load
+    for name, other in (compare or {}).items():
+        if name in RESERVED_NAMES:
+            raise InputError(f"--compare {name}=...: {name!r} is a reserved key of eval.json; choose another name")
+        try:
+            odir = resolve_draft_dir(other)
+        except InputError:
+            raise InputError(f"--compare {name}={other}: no config.json, train/latest.json or latest.json found; "
+                             "give a checkpoint folder or a training directory") from None
+        ocfg = DSparkConfig.from_json(odir / "config.json")
+        contract.check(TargetContract.from_draft_config(ocfg), f"--compare {name}={other}")
+        if ocfg.block_size != dcfg.block_size:
+            raise InputError(f"--compare {name}={other}: block_size {ocfg.block_size} differs from the draft's "
+                             f"{dcfg.block_size}; compare drafts of one block size")
+        others[name] = odir
+    if cfg.target_layer_ids:
+        contract.check({"target_layer_ids": list(cfg.target_layer_ids),
+                        "aux_hidden_stream": cfg.aux_hidden_stream}, "the profile's train section")
+    if not cfg.target:
+        raise InputError("train.target is not set: give the local path of the target model")
+    want = getattr(cfg, "device", "auto")
+    dev = "cuda" if want in ("auto", "cuda") and torch.cuda.is_available() else "cpu"
+    target = TargetFeatures.from_pretrained(resolve_path(cfg.target), contract, device=dev)
+    seed = seed if seed is not None else (cfg.seed if getattr(cfg, "seed", None) is not None else 0)
+    trained = load_draft(ddir, target_model=target.model).to(dev).eval()
+    torch.manual_seed(seed)
+    untrained = DSparkDraft.from_target(target.model, dcfg, draft_vocab=trained.draft_vocab()).to(dev).eval()
+    drafts = {"trained": trained, "untrained": untrained}
+    for name, odir in others.items():
+        drafts[name] = load_draft(odir, target_model=target.model).to(dev).eval()
+    gen = getattr(target.model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+    stop = sorted({*(eos if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else [])),
+                   *dcfg.eos_token_id})
+    fraction = getattr(cfg, "heldout_fraction", 0.05)
+    prompts = heldout_prompts(run, fraction, num_prompts)
+    if not prompts:
+        raise InputError(f"no held-out prompts in {run.shards} at heldout_fraction={fraction}: raise "
+                         "train.heldout_fraction (and retrain) or add prompts")
+    res = evaluate(target, drafts, prompts, max_new_tokens=max_new_tokens,
+                   stop_ids=stop, block_size=dcfg.block_size, confidence_threshold=confidence_threshold,
+                   progress=progress)
+    target.close()
+    dirs = {"trained": ddir, "untrained": ddir, **others}
+    out = {**res, "num_prompts": len(prompts), "num_prompts_asked": num_prompts, "seed": seed, "draft": str(ddir),
+           "draft_sha256": sha256_file(ddir / "model.safetensors"), "target": str(cfg.target),
+           "heldout_fraction": fraction, "max_new_tokens": max_new_tokens, "block_size": dcfg.block_size,
+           "markov_rank": dcfg.markov_rank, "stop_token_ids": stop, "temperature": 0.0,
+           "drafts": {name: {"dir": str(dirs[name]), "markov_rank": d.config.markov_rank,
+                             "draft_vocab_size": d.config.draft_vocab_size, "trained": name != "untrained"}
+                      for name, d in drafts.items()},
+           "confidence_threshold": confidence_threshold,
+           "protocol": "greedy verification, bonus token counted, first (prefill) token not counted (spec §7)",
+           "elapsed_s": round(time.perf_counter() - t0, 2)}
+    write_json_atomic(out, Path(out_path) if out_path else run.root / "eval.json")
+    return out
+
+
+def add_arguments(parser) -> None:
+    from regen.config import add_profile_arguments
+
+    add_profile_arguments(parser)
+    parser.add_argument("--draft", required=True, help="checkpoint folder, or a folder with latest.json")
+    parser.add_argument("--num-prompts", type=int, default=32, help="held-out prompts to evaluate (default 32)")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="generated tokens per prompt (default 64)")
+    parser.add_argument("--seed", type=int, default=None, help="seed of the untrained draft (default: profile)")
+    parser.add_argument("--compare", action="append", default=[], metavar="NAME=DIR",
+                        help="another trained draft to measure on the same prompts, e.g. markov_rank_0=runs/abl/train "
+                             "(repeatable)")
+    parser.add_argument("--confidence-threshold", type=float, default=0.0,
+                        help="cut each block before the first slot with confidence < this (default 0: full block)")
+
+
+def main(args) -> int:
+    import json
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    from regen.config import load_profile_from_args
+
+    profile, run = load_profile_from_args(args)
+    seed = args.seed if args.seed is not None else (profile.train.seed if profile.train.seed is not None
+                                                    else profile.seed)
+    from regen.errors import InputError
+
+    compare = {}
+    for item in args.compare:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise InputError(f"--compare {item!r}: write NAME=DIR, e.g. markov_rank_0=runs/ablation/train")
+        if name in compare:
+            raise InputError(f"--compare {name}=...: given twice; use one name per draft")
+        compare[name] = path
+    out = run_eval(profile.train, run, draft_dir=args.draft, seed=seed, num_prompts=args.num_prompts,
+                   max_new_tokens=args.max_new_tokens, confidence_threshold=args.confidence_threshold,
+                   compare=compare)
+    brief = {k: {"acc_len": out[k]["acc_len"], "num_rounds": out[k]["num_rounds"]} for k in out["drafts"]}
+    print(json.dumps({**brief, "num_prompts": out["num_prompts"], "seed": out["seed"],
+                      "eval_json": str(run.root / "eval.json")}, indent=2))
+    return 0

@@ -1,0 +1,456 @@
+"""`regen train`: the bundled online trainer. Target hidden states on the fly -> DSpark draft checkpoints.
+
+    regen train --profile local --run runs/local [--follow] [--max-steps N] [--out DIR]
+    torchrun --nproc_per_node 8 -m regen.train -- --profile kimi-k3 --run runs/k3 --follow
+
+(torchrun needs the `--`: otherwise it reads `--run` as an ambiguous abbreviation of its own `--run-path`.)
+
+Reads top to bottom like nanoGPT's train.py: config, process group, target (frozen, local path,
+`regen.train.target`), draft (`regen.train.model`), shard (`regen.train.parallel`, FSDP2), optimizer (AdamW, warmup + cosine,
+grad clip), data (`regen.train.feed`: shards of `<run>/shards/manifest.json`, checksummed, per rank, resumable),
+loop, checkpoint (`regen.train.checkpoint`). Spec: shared/docs/dspark.md §5 (objective), §6 (recipe), §8 (config).
+
+Loss normalisation (spec §5): each micro-batch's loss from `regen.train.loss.dspark_loss` is
+Σ w·term / Σ_ranks w · world_size; it is rescaled by (Σ_ranks w of that micro-batch) / (Σ_ranks w of the whole
+step) so an optimizer step over A micro-batches on W ranks equals one step over the same global batch at any
+(W, A). Anchors are drawn from a generator seeded by (seed, epoch, global micro-batch index): the same sample
+gets the same anchors at any world size and after a resume.
+
+Outputs in <run>/train/: checkpoints/step-*/ (servable draft + resumable state), latest.json, log.jsonl (one
+line per logged step), summary.json (what `run_train` returns).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import sys
+import time
+from pathlib import Path
+
+from regen.config import add_profile_arguments, load_profile_from_args
+from regen.errors import InputError
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_profile_arguments(parser)
+    parser.add_argument("--follow", action="store_true",
+                        help="train while `regen render` writes shards; end when its manifest is marked complete")
+    parser.add_argument("--max-steps", type=int, default=None, help="optimizer steps (overrides train.max_steps)")
+    parser.add_argument("--out", default=None,
+                        help="training directory (default <run>/train), e.g. runs/local/train-markov0 for an "
+                             "ablation trained on the same shards beside the main draft")
+
+
+def main(args) -> int:
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    profile, run = load_profile_from_args(args)
+    cfg = profile.train
+    updates = {"seed": cfg.seed if cfg.seed is not None else profile.seed}
+    if args.max_steps is not None:
+        updates["max_steps"] = args.max_steps
+    summary = run_train(cfg.model_copy(update=updates), run, follow=args.follow, train_dir=args.out)
+    if summary.get("rank", 0) == 0:
+        print(json.dumps({k: v for k, v in summary.items() if k != "history"}, indent=2))
+    return 0
+
+
+def _dtype(name: str, device):
+    import torch
+
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def build_draft_config(cfg, target_config):
+    """The DSparkConfig of this profile for a target's HF config (presets `small` and `kimi-k3`, + `cfg.draft`)."""
+    from regen.train.model import kimi_k3_config, small_config_for_target
+    from regen.train.target import default_target_layer_ids
+
+    tc = getattr(target_config, "text_config", None) or target_config
+    ids = cfg.target_layer_ids or default_target_layer_ids(tc.num_hidden_layers, 3)
+    common = dict(target_layer_ids=tuple(ids), aux_hidden_stream=cfg.aux_hidden_stream, fc_norm=cfg.fc_norm,
+                  block_size=cfg.block_size, markov_rank=cfg.markov_rank, num_anchors=cfg.num_anchors,
+                  enable_confidence_head=cfg.enable_confidence_head, loss_decay_gamma=cfg.loss_decay_gamma,
+                  attention_type=cfg.attention_type, draft_vocab_size=cfg.draft_vocab_size)
+    if cfg.mask_token_id is not None:
+        common["mask_token_id"] = cfg.mask_token_id
+    if cfg.draft_preset == "kimi-k3":
+        return kimi_k3_config(num_hidden_layers=cfg.num_draft_layers, target_hidden_size=tc.hidden_size,
+                              target_num_hidden_layers=tc.num_hidden_layers, vocab_size=tc.vocab_size,
+                              **common, **cfg.draft)
+    if cfg.draft_preset == "small":
+        return small_config_for_target(tc, num_hidden_layers=cfg.num_draft_layers, **common, **cfg.draft)
+    raise InputError(f"train.draft_preset={cfg.draft_preset!r}: allowed values are 'small' and 'kimi-k3'")
+
+
+def lr_lambda(total_steps: int, warmup_frac: float, min_lr_frac: float):
+    """Multiplier of the base lr at step s: linear warmup over warmup_frac·total, then cosine to min_lr_frac."""
+    warmup = max(1, int(round(warmup_frac * total_steps))) if warmup_frac > 0 else 0
+
+    def f(s: int) -> float:
+        if s < warmup:
+            return (s + 1) / warmup
+        t = min(1.0, (s - warmup) / max(1, total_steps - warmup))
+        return min_lr_frac + (1 - min_lr_frac) * 0.5 * (1 + math.cos(math.pi * t))
+
+    return f
+
+
+def feed_config(cfg):
+    from regen.train.feed import FeedConfig
+
+    return FeedConfig(seed=cfg.seed or 0, max_len=cfg.max_len, truncate=cfg.truncate, max_tokens=cfg.max_tokens, max_batch=cfg.max_batch,
+                      shuffle_buffer=cfg.shuffle_buffer, bucket_window=cfg.bucket_window,
+                      min_loss_tokens=cfg.min_loss_tokens, heldout_fraction=cfg.heldout_fraction,
+                      on_bad_shard=cfg.on_bad_shard, poll_s=cfg.follow_poll_s, follow_timeout_s=cfg.follow_timeout_s)
+
+
+def make_objective(draft):
+    """Wrap `draft` in a module whose forward is the DSpark loss, so FSDP2's root (this wrapper) unshards every
+    parameter the loss touches (lm_head, Markov and confidence heads are used outside `draft.forward`)."""
+    from torch import nn
+
+    from regen.train.loss import dspark_loss
+
+    class Objective(nn.Module):
+        def __init__(self, draft):
+            super().__init__()
+            self.draft = draft
+
+        @property
+        def config(self):
+            return self.draft.config
+
+        def forward(self, batch, features, anchors, keep, weights=(0.1, 0.9, 1.0)):
+            return dspark_loss(self.draft, batch, features, anchors, keep, weights=weights)
+
+    return Objective(draft)
+
+
+def share_frozen_with_target(draft, target_model, dtype) -> None:
+    """Point the draft's frozen embed_tokens/lm_head at the target's tensors when they match in shape, dtype and
+    device (one copy in memory instead of two: 2 x 262K x 640 floats for Gemma); else cast them to `dtype`."""
+    import torch
+
+    for mine, theirs in ((draft.embed_tokens, target_model.get_input_embeddings()),
+                         (draft.lm_head, target_model.get_output_embeddings())):
+        w = theirs.weight
+        if w.shape == mine.weight.shape and w.dtype == dtype and w.device == mine.weight.device:
+            mine.weight = w if not w.requires_grad else torch.nn.Parameter(w.detach(), requires_grad=False)
+        else:
+            mine.to(dtype)
+
+
+def draft_vocabulary(draft_cfg, feed, resume_from, *, follow: bool = False):
+    """(target ids int64[Vd] or None, report dict or None) of the reduced draft vocabulary (`regen.train.draft_vocab`).
+
+    A resumed run keeps its checkpoint's vocabulary (the `d2t` weight); a new one takes the Vd most frequent
+    supervised tokens of the feed's training rows, stop tokens always included, chosen on rank 0 and broadcast
+    (ranks may read the manifest at different moments). With `follow`, it waits for the first shard and uses
+    the shards listed then: rows rendered later keep only their supervised tokens inside it. Raises InputError
+    for a checkpoint of another vocabulary size or an impossible size.
+    """
+    import torch
+    import torch.distributed as dist
+
+    V, Vd = draft_cfg.vocab_size, draft_cfg.draft_vocab_size
+    if not Vd:
+        return None, None
+    if resume_from is not None:
+        from safetensors import safe_open
+
+        from regen.train.model import CONFIG_NAME, WEIGHTS_NAME
+
+        saved = json.loads((Path(resume_from) / CONFIG_NAME).read_text()).get("draft_vocab_size", 0)
+        if saved != Vd:
+            raise InputError(f"{resume_from}: the checkpoint has draft_vocab_size={saved}, the profile gives {Vd}; "
+                             "resume with the same train.* settings or use a new run directory (or --out)")
+        with safe_open(str(Path(resume_from) / WEIGHTS_NAME), framework="pt") as f:
+            d2t = f.get_tensor("d2t")
+        return d2t + torch.arange(d2t.numel()), {"size": int(d2t.numel()), "from": str(resume_from)}
+    from regen.train.draft_vocab import select_draft_vocab
+
+    ids, report = torch.zeros(Vd, dtype=torch.long), None
+    if dist.get_rank() == 0:
+        if follow:
+            feed.wait_for_first_shard()
+        counts = feed.supervised_token_counts(V)
+        try:
+            chosen, report = select_draft_vocab(counts, Vd, always=draft_cfg.eos_token_id)
+        except ValueError as exc:
+            raise InputError(f"train.draft_vocab_size={Vd}: {exc}") from None
+        report["shards_counted"] = feed.listed_shards()
+        ids = torch.from_numpy(chosen)
+        log.info("draft vocabulary: %d ids, %d distinct supervised tokens seen, coverage %.4f", report["size"],
+                 report["distinct_seen"], report["coverage"])
+    if dist.get_world_size() > 1:
+        box = [report]
+        dist.broadcast_object_list(box, src=0)
+        report = box[0]
+        ids = ids.to("cuda" if dist.get_backend() == "nccl" else "cpu")
+        dist.broadcast(ids, src=0)
+        ids = ids.cpu()
+    return ids, report
+
+
+def prepare_microbatch(mb, seed: int, draft_cfg, device, t2d=None):
+    """(batch dict on `device`, anchors int64[B, N], keep bool[B, N]) for a feed MicroBatch.
+
+    Anchors come from a generator seeded by (seed, epoch, global micro-batch index): identical for the same
+    sample at any world size and after a resume (spec §5 sampling: uniform without replacement, sorted).
+    t2d: bool[V] of a reduced draft vocabulary (`DSparkDraft.t2d`): tokens outside it leave the loss mask after
+    the anchors are drawn, so no supervised slot has one as its target (EAGLE-3's position mask; the
+    evaluation mask's cumulative product ends a block there).
+    """
+    import torch
+
+    from regen.train.loss import sample_anchors
+    from regen.train.feed import stable_hash
+
+    top = int(mb.input_ids.max())
+    if top >= draft_cfg.vocab_size:
+        raise InputError(f"sample {mb.sample_ids} has token id {top} >= the target's vocab_size "
+                         f"{draft_cfg.vocab_size}: the shards were rendered with another tokenizer than the target's")
+    gen = torch.Generator().manual_seed(stable_hash(seed, mb.epoch, mb.index, "anchors") & ((1 << 62) - 1))
+    anchors, keep = sample_anchors(mb.loss_mask, draft_cfg.num_anchors, gen)  # an anchor token is only an input
+    loss_mask = mb.loss_mask if t2d is None else mb.loss_mask & t2d.cpu()[mb.input_ids]
+    batch = {"input_ids": mb.input_ids.to(device), "loss_mask": loss_mask.to(device),
+             "attention_mask": mb.attention_mask.to(device)}
+    return batch, anchors.to(device), keep.to(device)
+
+
+def train_step(model, target, opt, microbatches, *, loss_weights=(0.1, 0.9, 1.0), grad_clip: float = 1.0) -> dict:
+    """One optimizer step over this rank's micro-batches [(batch, anchors, keep)]; collective over ranks.
+
+    The step's objective is Σ_all w·term / Σ_all w over every micro-batch of every rank (spec §5), so A
+    micro-batches equal one batch holding them all, and W ranks equal one rank accumulating their batches.
+    Returns this rank's partial sums (reduce with `reduce_metrics`), tokens, target seconds, grad norm.
+    """
+    import torch
+
+    from regen.train.loss import decay_weights, evaluation_mask
+    from regen.train.parallel import all_reduce_sum, clip_grad_norm, set_gradient_sync
+
+    cfg = model.config
+    world = torch.distributed.get_world_size()
+    gamma_w = None
+    local_w = []
+    for b, a, k in microbatches:
+        ev = evaluation_mask(a, k, b["loss_mask"], cfg.block_size)
+        gamma_w = decay_weights(cfg.block_size, cfg.loss_decay_gamma, ev.device) if gamma_w is None else gamma_w
+        local_w.append((ev * gamma_w).sum().double().cpu())
+    global_w = all_reduce_sum(torch.stack(local_w))  # Σ over ranks, per micro-batch slot
+    step_w = float(global_w.sum())
+    sums = torch.zeros(6, dtype=torch.float64)  # loss, ce, l1, conf, tau_prob·blocks, blocks
+    t_target = 0.0
+    for i, (batch, anchors, keep) in enumerate(microbatches):
+        set_gradient_sync(model, i == len(microbatches) - 1)
+        tt = time.perf_counter()
+        features = target.features(batch["input_ids"], batch["attention_mask"])
+        t_target += time.perf_counter() - tt
+        loss, m = model(batch, features, anchors, keep, weights=loss_weights)
+        scale = float(global_w[i]) / step_w if step_w > 0 else 0.0
+        (loss * scale).backward()
+        # dspark_loss: loss = Σ_rank w·L / Σ_ranks w · world; metrics ce/l1/conf = that / world
+        sums += torch.tensor([m["loss"] * scale / world, m["ce"] * scale, m["l1"] * scale, m["conf"] * scale,
+                              m["tau_probabilistic"] * m["num_blocks"], m["num_blocks"]], dtype=torch.float64)
+    grad_norm = clip_grad_norm(model, grad_clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    tokens = sum(int(b["attention_mask"].sum()) for b, _, _ in microbatches)
+    return {"sums": sums, "tokens": tokens, "target_s": t_target, "grad_norm": grad_norm, "weight": step_w}
+
+
+def reduce_metrics(m: dict) -> dict:
+    """Step metrics over all ranks from `train_step`'s partial sums (collective)."""
+    import torch
+
+    from regen.train.parallel import all_reduce_sum
+
+    g = all_reduce_sum(torch.cat([m["sums"], torch.tensor([float(m["tokens"])], dtype=torch.float64)]))
+    return {"loss": g[0].item(), "ce": g[1].item(), "l1": g[2].item(), "conf": g[3].item(),
+            "tau_probabilistic": g[4].item() / max(1.0, g[5].item()), "tokens": int(g[6].item()),
+            "grad_norm": m["grad_norm"], "weight": m["weight"]}
+
+
+def run_train(cfg, run, *, follow: bool = False, stop_after_steps: int | None = None,
+              train_dir: str | Path | None = None) -> dict:
+    """Train a DSpark draft on `run.shards` with online target features; write checkpoints to `train_dir`
+    (default `run.train`).
+
+    Resumes from `<train_dir>/latest.json` when present. Returns (and on rank 0 writes to summary.json):
+    steps, tokens, tokens_per_s, target_share (fraction of step time in the target forward), first/last
+    losses, checkpoint path, feed stats, history (logged metrics). Raises InputError for a missing target
+    or shards, a contract mismatch, or `--follow` without train.max_steps. `stop_after_steps` ends this
+    invocation early without shortening the schedule (a preemption; the next call resumes).
+    """
+    import torch.distributed as dist
+
+    from regen.config import resolve_path
+    from regen.train.parallel import destroy_distributed, init_distributed
+
+    # -- config ---------------------------------------------------------------------------------------------
+    seed = cfg.seed if cfg.seed is not None else 0
+    cfg = cfg.model_copy(update={"seed": seed})
+    if not cfg.target:
+        raise InputError("train.target is not set: give the local path of the target model "
+                         "(e.g. --set train.target=data/models/gemma3-270m)")
+    target_path = resolve_path(cfg.target)
+    if not (Path(target_path) / "config.json").exists():
+        raise InputError(f"train.target={cfg.target!r}: no config.json in {target_path}; give a local "
+                         "transformers model directory (the embedded one appears after `bash scripts/setup.sh`)")
+
+    # -- process group --------------------------------------------------------------------------------------
+    owns_group = not dist.is_initialized()
+    info = init_distributed(cfg.device)
+    try:
+        return _train(cfg, run, info, target_path, Path(train_dir) if train_dir else Path(run.train),
+                      follow=follow, stop_after_steps=stop_after_steps)
+    finally:
+        if owns_group:
+            destroy_distributed()
+
+
+def _train(cfg, run, info, target_path: Path, train_dir: Path, *, follow: bool,
+           stop_after_steps: int | None) -> dict:
+    """run_train's body, in the process group `info` (see run_train)."""
+    import torch
+
+    from regen.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+    from regen.train.model import DSparkDraft
+    from regen.train.feed import ShardFeed
+    from regen.train.parallel import all_reduce_sum, shard_model
+    from regen.train.target import TargetContract, TargetFeatures, declared_contract
+    from transformers import AutoConfig
+
+    seed = cfg.seed
+    torch.manual_seed(seed)  # identical draft init on every rank
+
+    # -- target (frozen) ------------------------------------------------------------------------------------
+    draft_cfg = build_draft_config(cfg, AutoConfig.from_pretrained(str(target_path), local_files_only=True))
+    contract = TargetContract.from_draft_config(draft_cfg)
+    target = TargetFeatures.from_pretrained(target_path, contract, dtype=_dtype(cfg.target_dtype, info.device),
+                                            device=info.device)
+    manifest_path = Path(run.shards) / "manifest.json"
+    if manifest_path.exists():
+        shards_manifest = json.loads(manifest_path.read_text())
+        contract.check(declared_contract(shards_manifest), str(manifest_path))
+        if (shards_manifest.get("contract") or {}).get("test_vocabulary"):
+            raise InputError(f"{manifest_path}: the shards were rendered with the project's test vocabulary, not "
+                             "the target's tokenizer; set render.tokenizer to the target's and re-render")
+
+    # -- data -----------------------------------------------------------------------------------------------
+    feed = ShardFeed(run.shards, feed_config(cfg), rank=info.rank, world_size=info.world_size,
+                     grad_accum=cfg.grad_accum, follow=follow)
+    resume_from = latest_checkpoint(train_dir)
+    vocab_ids, vocab_report = draft_vocabulary(draft_cfg, feed, resume_from, follow=follow)
+
+    # -- draft, sharded -------------------------------------------------------------------------------------
+    draft = DSparkDraft.from_target(target.model, draft_cfg, draft_vocab=vocab_ids).to(info.device)
+    compute_dtype = _dtype(cfg.dtype, info.device)
+    share_frozen_with_target(draft, target.model, compute_dtype)
+    t2d = draft.t2d.cpu() if draft_cfg.draft_vocab_size else None
+    model = shard_model(make_objective(draft), info, blocks=draft.layers,
+                        param_dtype=None if compute_dtype == torch.float32 else compute_dtype)
+    if cfg.max_steps > 0:
+        total_steps = cfg.max_steps
+    elif follow:
+        raise InputError("--follow needs train.max_steps (the schedule's length): e.g. --max-steps 2000")
+    elif cfg.epochs <= 0:
+        raise InputError("train.epochs=0 (repeat the data) needs train.max_steps > 0")
+    else:
+        total_steps = feed.count_steps(cfg.epochs)
+        if total_steps == 0:
+            raise InputError(f"{manifest_path}: no full optimizer step of training data (after held-out and "
+                             "length filters); render more shards or lower train.grad_accum")
+
+    # -- optimizer ------------------------------------------------------------------------------------------
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
+                            betas=tuple(cfg.betas), eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total_steps, cfg.warmup_frac, cfg.min_lr_frac))
+    step = 0
+    if resume_from is not None:
+        step = load_checkpoint(resume_from, model, opt, sched, feed)
+        if info.is_main:
+            log.info("resumed from %s at step %d", resume_from, step)
+    training_meta = {"profile_train": cfg.model_dump(), "target": str(target_path), "world_size": info.world_size,
+                     "shards_manifest": str(manifest_path), "draft_vocab": vocab_report}
+
+    # -- loop -----------------------------------------------------------------------------------------------
+    history, t_start = [], time.perf_counter()
+    totals = torch.zeros(3, dtype=torch.float64)  # tokens, target seconds, step seconds (this rank)
+    ckpt, steps_here = resume_from, 0
+    num_epochs = cfg.epochs if cfg.epochs > 0 else None  # ends at the first of max_steps and epochs
+    train_dir.mkdir(parents=True, exist_ok=True)
+    steps = feed.steps(num_epochs=num_epochs)
+    while step < total_steps and (stop_after_steps is None or steps_here < stop_after_steps):
+        batch_step = next(steps, None)  # pulled only when it will be trained: the feed position advances here
+        if batch_step is None:
+            break
+        t0 = time.perf_counter()
+        mbs = [prepare_microbatch(mb, seed, draft_cfg, info.device, t2d) for mb in batch_step.microbatches]
+        m = train_step(model, target, opt, mbs, loss_weights=tuple(cfg.loss_weights), grad_clip=cfg.grad_clip)
+        sched.step()
+        step, steps_here = step + 1, steps_here + 1
+        step_s = time.perf_counter() - t0
+        totals += torch.tensor([m["tokens"], m["target_s"], step_s], dtype=torch.float64)
+        if cfg.log_samples:
+            with open(train_dir / f"samples-rank{info.rank}.jsonl", "a", encoding="utf-8") as f:
+                ids = [sid for mb in batch_step.microbatches for sid in mb.sample_ids]
+                f.write(json.dumps({"step": step, "sample_ids": ids}) + "\n")
+        if step % cfg.log_every == 0 or step == total_steps or step == 1:
+            rec = {"step": step, "epoch": batch_step.epoch, **reduce_metrics(m), "lr": sched.get_last_lr()[0],
+                   "step_s": round(step_s, 4), "target_s": round(m["target_s"], 4)}
+            history.append(rec)
+            if info.is_main:
+                with open(train_dir / "log.jsonl", "a", encoding="utf-8") as f:
+                    f.write(json.dumps(rec) + "\n")
+                log.info("step %d loss %.4f tau_p %.3f", step, rec["loss"], rec["tau_probabilistic"])
+        if cfg.checkpoint_every > 0 and step % cfg.checkpoint_every == 0 and step < total_steps:
+            ckpt = save_checkpoint(train_dir, step, model, opt, sched, feed, training=training_meta,
+                                   keep=cfg.keep_checkpoints)
+
+    # -- checkpoint -----------------------------------------------------------------------------------------
+    loop_s = time.perf_counter() - t_start
+    if ckpt is None or not ckpt.name.endswith(f"{step:06d}"):
+        ckpt = save_checkpoint(train_dir, step, model, opt, sched, feed, training=training_meta,
+                               keep=cfg.keep_checkpoints)
+    totals = all_reduce_sum(totals)
+    summary = {
+        "rank": info.rank, "world_size": info.world_size, "device": str(info.device), "steps": step,
+        "total_steps": total_steps, "tokens": int(totals[0]), "tokens_per_s": float(totals[0]) / max(1e-9, loop_s),
+        "loop_s": loop_s,
+        "target_share": float(totals[1] / totals[2]) if totals[2] > 0 else 0.0,
+        "elapsed_s": time.perf_counter() - t_start,
+        "loss_first": history[0]["loss"] if history else None, "loss_last": history[-1]["loss"] if history else None,
+        "tau_probabilistic_last": history[-1]["tau_probabilistic"] if history else None,
+        "checkpoint": str(ckpt), "feed": feed.state_dict(), "feed_stats": feed.stats, "seed": seed,
+        "draft_vocab": vocab_report,
+        "history": history,
+    }
+    if info.is_main:
+        from schemas.io import write_json_atomic
+
+        write_json_atomic(summary, train_dir / "summary.json")
+    target.close()
+    return summary
+
+
+def script_main(argv: list[str] | None = None) -> int:
+    """`python -m regen.train` / `torchrun -m regen.train -- ...` (see `regen.train.__main__`)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    p = argparse.ArgumentParser(prog="regen train")
+    add_arguments(p)
+    try:
+        return int(main(p.parse_args(argv)) or 0)
+    except InputError as exc:
+        print(f"regen train: error: {exc}", file=sys.stderr)
+        return 2

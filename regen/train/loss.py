@@ -1,0 +1,216 @@
+"""DSpark training objective: anchors, block attention mask, evaluation mask, decay weights, CE + L1 + confidence.
+
+Spec: shared/docs/dspark.md §5 (DS `loss.py`/`common.py`, SF `OnlineDSparkModel`). Shape legend as in
+`regen.train.model`: B batch, S sequence, N anchors per row, K block_size, V vocab, H hidden.
+
+Slot k (0-based) of the block at anchor a predicts x[a+k+1] (spec's 1-based slot k predicts x[a+k]); its
+Markov previous token is x[a+k] and its target distribution p_t comes from the target's final-normed hidden
+state at position a+k (spec: a+k−1 with 1-based k).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+LOSS_WEIGHTS = (0.1, 0.9, 1.0)  # CE, L1, confidence (P eq. 12; DS config)
+
+
+def sample_anchors(loss_mask_BS: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None):
+    """Anchors per spec §5: valid i ∈ [0, S−2] with loss_mask[i] = loss_mask[i+1] = 1; draw min(num_anchors,
+    #valid) uniformly without replacement (seeded `generator`, CPU), sort ascending, pad with dummy anchors.
+
+    Returns (anchors int64[B, N], keep bool[B, N]) with N = max(1, min(num_anchors, max valid count in batch))
+    (SF pads only to the batch maximum). Dummy anchors are 0 with keep False.
+    """
+    lm = loss_mask_BS.bool().cpu()
+    B, S = lm.shape
+    valid = lm[:, :-1] & lm[:, 1:] if S > 1 else torch.zeros(B, 0, dtype=torch.bool)
+    picks = []
+    for b in range(B):
+        pos = valid[b].nonzero().flatten()
+        n = min(num_anchors, pos.numel())
+        pick = pos[torch.randperm(pos.numel(), generator=generator)[:n]] if n else pos[:0]
+        picks.append(pick.sort().values)
+    N = max(1, max(p.numel() for p in picks))
+    anchors = torch.zeros(B, N, dtype=torch.long)
+    keep = torch.zeros(B, N, dtype=torch.bool)
+    for b, p in enumerate(picks):
+        anchors[b, : p.numel()] = p
+        keep[b, : p.numel()] = True
+    return anchors.to(loss_mask_BS.device), keep.to(loss_mask_BS.device)
+
+
+def create_block_attention_mask(anchors_BN, keep_BN, seq_len: int, block_size: int, attention_mask=None):
+    """Dense boolean DSpark training mask (spec §2 "Training mask", = SF `create_dflash_sdpa_mask`).
+
+    Returns bool[B, N·K, S + N·K], True = may attend. A query of block b sees context key j iff j < a_b
+    (strict: the anchor's own features do not exist yet at inference) and `attention_mask[j]` (when given),
+    and all K slots of its own block; nothing else. Blocks with keep False are fully masked.
+    """
+    B, N = anchors_BN.shape
+    K, dev = block_size, anchors_BN.device
+    j = torch.arange(seq_len, device=dev)
+    ctx = j[None, None, :] < anchors_BN[:, :, None]  # [B, N, S]
+    if attention_mask is not None:
+        ctx = ctx & attention_mask.bool()[:, None, :]
+    blk_id = torch.arange(N, device=dev)
+    own = blk_id[:, None] == blk_id[None, :]  # [N, N]
+    own = own[:, None, :, None].expand(N, K, N, K).reshape(N * K, N * K)
+    ctx = ctx[:, :, None, :].expand(B, N, K, seq_len).reshape(B, N * K, seq_len)
+    mask = torch.cat([ctx, own[None].expand(B, -1, -1)], dim=-1)
+    q_keep = keep_BN.bool()[:, :, None].expand(B, N, K).reshape(B, N * K, 1)
+    return mask & q_keep
+
+
+def slot_positions(anchors_BN, block_size: int):
+    """a + k for k = 0…K−1: int64[B, N, K] (unclamped)."""
+    return anchors_BN[..., None] + torch.arange(block_size, device=anchors_BN.device)
+
+
+def evaluation_mask(anchors_BN, keep_BN, loss_mask_BS, block_size: int):
+    """eval[b, n, k] = keep ∧ (a+k+1 < S) ∧ loss_mask[a+k+1], then cumulative product along k (spec §5):
+    float32[B, N, K], only a contiguous supervised prefix of each block counts."""
+    S = loss_mask_BS.shape[1]
+    tgt = slot_positions(anchors_BN, block_size) + 1
+    inside = tgt < S
+    lm = loss_mask_BS.bool().gather(1, tgt.clamp(max=S - 1).flatten(1)).view_as(tgt)
+    ev = (keep_BN.bool()[..., None] & inside & lm).float()
+    return ev.cumprod(dim=-1)
+
+
+def decay_weights(block_size: int, gamma: float = 4.0, device=None):
+    """w_k = exp(−(k−1)/γ_w), k = 1…K, γ_w = loss_decay_gamma = 4.0 (DS/SF/TS; the paper's γ=7 disagrees,
+    spec §5/§10): float32[K]."""
+    return torch.exp(-torch.arange(block_size, device=device, dtype=torch.float32) / gamma)
+
+
+def _slot_terms(draft, h, prev, tgt, last_h):
+    logits = draft.corrected_logits(h, prev)  # [m, V]
+    logp_d = F.log_softmax(logits, dim=-1)
+    ce = -logp_d.gather(-1, tgt[:, None]).squeeze(-1)
+    with torch.no_grad():
+        p_t = torch.softmax(draft.base_logits(last_h), dim=-1)
+    l1 = (logp_d.exp() - p_t).abs().sum(-1)
+    return ce, l1, (logits.argmax(-1) == tgt).float()
+
+
+def vocab_terms(draft, h_MH, prev_M, tgt_M, last_h_MH, *, chunk_slots: int | None = None):
+    """Per-slot CE −log p_d(x*), L1 ‖p_d − p_t‖₁ (not halved) and top-1 hit, each float32[M] (spec §5).
+
+    p_d = softmax(lm_head(h) + W2·W1[prev]); p_t = softmax(lm_head(last_h)) (target's final-normed state).
+    Computed in chunks of slots under activation checkpointing, so peak memory holds one chunk's [m, V]
+    logits (a 262k vocabulary makes [M, V] gigabytes), at the price of one more lm_head pass in backward.
+    """
+    V = draft.config.output_vocab_size
+    m = chunk_slots or max(1, (1 << 25) // V)
+    if h_MH.shape[0] <= m or not torch.is_grad_enabled():
+        return _slot_terms(draft, h_MH, prev_M, tgt_M, last_h_MH)
+    from torch.utils.checkpoint import checkpoint
+
+    parts = [checkpoint(_slot_terms, draft, h_MH[i:i + m], prev_M[i:i + m], tgt_M[i:i + m], last_h_MH[i:i + m],
+                        use_reentrant=False) for i in range(0, h_MH.shape[0], m)]
+    return tuple(torch.cat(x) for x in zip(*parts))
+
+
+def chain_expectation(values_BNK, eval_BNK, keep_BN) -> float:
+    """1 + mean over kept blocks of Σ_k Π_{i≤k} v_i·eval_i (spec §9 `tau_probabilistic` with v = c*)."""
+    chain = (values_BNK * eval_BNK).cumprod(-1)
+    return 1.0 + float(chain.sum()) / max(1, int(keep_BN.sum()))
+
+
+def _global_denominator(local: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Σ w over data-parallel ranks (all_reduce when a process group is up) and the world size."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        total = local.detach().clone()
+        dist.all_reduce(total)
+        return total, dist.get_world_size()
+    return local.detach(), 1
+
+
+def dspark_loss(draft, batch: dict, features, anchors=None, keep=None, *, generator=None,
+                weights=LOSS_WEIGHTS, chunk_slots: int | None = None, fused: bool = True):
+    """The DSpark loss for one micro-batch (spec §5). Returns (loss scalar tensor, metrics dict of floats).
+
+    batch: `input_ids` int[B, S], `loss_mask` {0,1}[B, S], optional `attention_mask` [B, S], `position_ids`.
+      With a reduced draft vocabulary the loss mask must exclude targets outside it (`DSparkDraft.in_draft_vocab`,
+      as `regen.train.loop.prepare_microbatch` does; EAGLE-3's position mask), else ValueError; p_t is then the
+      target's distribution renormalised over the draft vocabulary (its lm_head rows), as in EAGLE-3.
+    features: (taps [B, S, T·Ht], last_hidden [B, S, Ht]) from `regen.train.target.TargetFeatures.features`
+      (last_hidden is the target's final-normed state; p_t = softmax(lm_head(last_hidden)), spec §1).
+    anchors/keep: from `sample_anchors` (sampled here with `generator` when None).
+    chunk_slots: slots per vocabulary-wide chunk; None = about 2**25 logits per chunk. fused: CE + L1 and their
+    gradients in one pass (`regen.train.fused_loss`); False = plain autograd (`vocab_terms`), the reference.
+
+    Each term is Σ w·term / Σ_global w · world_size (cancels DDP/FSDP gradient averaging):
+    L = 0.1·CE + 0.9·L1 + 1.0·BCE(c, c*), c* = clamp(1 − ½‖p_d − p_t‖₁, 0, 1) detached, p_d the
+    Markov-corrected draft distribution at T=1 with teacher forcing. Metrics are this rank's, unreduced.
+    """
+    taps, last_hidden = features
+    ids, lm = batch["input_ids"], batch["loss_mask"]
+    cfg = draft.config
+    K, (B, S) = cfg.block_size, ids.shape
+    if anchors is None:
+        anchors, keep = sample_anchors(lm, cfg.num_anchors, generator)
+    hidden = draft(taps, ids, anchors, keep, batch.get("position_ids"), batch.get("attention_mask"))  # [B,N,K,H]
+
+    pos = slot_positions(anchors, K).clamp(max=S - 1)  # previous-token / p_t positions
+    tgt_pos = (slot_positions(anchors, K) + 1).clamp(max=S - 1)
+    prev_ids = ids.long().gather(1, pos.flatten(1)).view_as(pos)
+    tgt_ids = ids.long().gather(1, tgt_pos.flatten(1)).view_as(pos)
+    ev = evaluation_mask(anchors, keep, lm, K)
+    w = ev * decay_weights(K, cfg.loss_decay_gamma, ev.device)
+
+    sel = w.flatten() > 0  # only supervised slots enter the vocabulary-wide terms
+    h_sel = hidden.flatten(0, 2)[sel]
+    prev_sel, w_sel = prev_ids.flatten()[sel], w.flatten()[sel]
+    tgt_sel = draft.to_draft_index(tgt_ids.flatten()[sel])  # output-row indices (== ids with the full vocab)
+    denom, world = _global_denominator(w.sum())
+    denom = denom.clamp(min=1e-6)
+    scale = w_sel / denom * world  # Σ over ranks of Σ scale·term = the global weighted mean (spec §5)
+    if fused:
+        from regen.train.fused_loss import fused_vocab_loss
+
+        # order slots by (row, position) so each chunk computes p_t once per distinct position
+        key = (torch.arange(B, device=pos.device)[:, None, None] * S + pos).flatten()[sel]
+        order = torch.argsort(key, stable=True)
+        uniq, pt_idx = torch.unique(key[order], return_inverse=True)
+        vocab_loss, ce, l1, hit = fused_vocab_loss(
+            draft, h_sel[order], prev_sel[order], tgt_sel[order], last_hidden.flatten(0, 1)[uniq], pt_idx,
+            weights[0] * scale[order], weights[1] * scale[order], chunk_slots=chunk_slots)
+        back = torch.empty_like(order)
+        back[order] = torch.arange(order.numel(), device=order.device)
+        ce, l1, hit = ce[back], l1[back], hit[back]
+    else:
+        with torch.no_grad():
+            lh = last_hidden.gather(1, pos.flatten(1)[..., None].expand(-1, -1, last_hidden.shape[-1]))
+            lh_sel = lh.flatten(0, 1)[sel]
+        ce, l1, hit = vocab_terms(draft, h_sel, prev_sel, tgt_sel, lh_sel, chunk_slots=chunk_slots)
+        vocab_loss = weights[0] * (scale * ce).sum() + weights[1] * (scale * l1).sum()
+    c_star = (1.0 - 0.5 * l1.detach()).clamp(0.0, 1.0)
+    conf_logit = draft.confidence_logits(h_sel, prev_sel)
+    bce = (F.binary_cross_entropy_with_logits(conf_logit, c_star, reduction="none")
+           if conf_logit is not None else torch.zeros_like(ce))
+    conf_t = (scale * bce).sum()
+    loss = vocab_loss + weights[2] * conf_t
+    ce_t, l1_t = (scale * ce.detach()).sum(), (scale * l1.detach()).sum()
+
+    with torch.no_grad():
+        M = w.numel()
+        full_cstar = torch.zeros(M, device=w.device)
+        full_cstar[sel] = c_star
+        match = torch.zeros(M, device=w.device)
+        match[sel] = hit
+        n_slots = max(1.0, float(ev.sum()))
+        metrics = {
+            "loss": float(loss), "ce": float(ce_t) / world, "l1": float(l1_t) / world, "conf": float(conf_t) / world,
+            "acc": float((match.view_as(w) * ev).sum()) / n_slots,
+            "tau_probabilistic": chain_expectation(full_cstar.view_as(w), ev, keep),  # 1 + Σ_k Π_{i≤k} c*_i
+            "tau_teacher_forced": chain_expectation(match.view_as(w), ev, keep),
+            "num_blocks": int(keep.sum()), "num_slots": int(ev.sum()),
+            "conf_mean": float(torch.sigmoid(conf_logit).mean()) if conf_logit is not None and len(conf_logit) else math.nan,
+        }
+    return loss, metrics
