@@ -2,13 +2,15 @@
 
 Units of work. A prompt's `messages` may hold several user turns, recorded assistant turns, and tool turns
 with recorded tool results. A *turn* (a `(prompt_id, turn)` unit, `turn` counted from 0) is generated at every
-position where the original conversation has an assistant message, and after a final user or tool message.
+position where the original conversation has an assistant message, and after every user or tool message that
+is followed by a user message or ends the conversation (so MT-Bench `turns: [q1, q2]`, stored as two user
+messages, is answered turn by turn: q1, its answer, q2, its answer; parallel tool results are not split).
 `turn_positions(messages)` lists those positions; `generated + error rows + skipped == sum of len(positions)`.
 
 History. Turn k is requested with the original messages before its position, every earlier assistant
-message replaced by its regeneration. After turn k, the original messages up to the next position follow
-(user turns, recorded tool results). When the regenerated turn's tool calls no longer match the recorded
-assistant's (function names, in order, and their count), the recorded tool results cannot follow: the
+message replaced by its regeneration (a position with no recorded assistant message inserts the regeneration
+there). After turn k, the original messages up to the next position follow (user turns, recorded tool
+results). When the regenerated turn's tool calls no longer match the recorded assistant's (function names, in order, and their count), the recorded tool results cannot follow: the
 conversation stops there (`stop_reason = "tool_result_mismatch"`), later turns become `skipped` rows.
 Recorded tool results keep their content; their `tool_call_id` is rewritten to the regenerated call's id.
 
@@ -27,15 +29,29 @@ from schemas.prompt import canonical_json
 
 
 def turn_positions(messages: list[dict]) -> list[int]:
-    """Indices in `messages` where an assistant turn is generated (len(messages) for a final user/tool turn).
+    """Indices in `messages` where an assistant turn is generated: each recorded assistant message's index, and
+    the index right after a user or tool message that a user message follows or that ends the conversation
+    (the regenerated turn is inserted there; len(messages) for a final user/tool turn).
 
     >>> turn_positions([{"role": "user"}, {"role": "assistant"}, {"role": "user"}])
     [1, 3]
+    >>> turn_positions([{"role": "user"}, {"role": "user"}])
+    [1, 2]
     """
-    pos = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
-    if messages and messages[-1].get("role") in ("user", "tool"):
-        pos.append(len(messages))
+    pos = []
+    for i, m in enumerate(messages):
+        role = m.get("role")
+        nxt = messages[i + 1].get("role") if i + 1 < len(messages) else None
+        if role == "assistant":
+            pos.append(i)
+        elif role in ("user", "tool") and nxt in (None, "user"):
+            pos.append(i + 1)
     return pos
+
+
+def _recorded(original: list[dict], pos: int) -> dict:
+    """The recorded assistant message at `pos`, or {} where the turn is inserted (no recorded answer)."""
+    return original[pos] if pos < len(original) and original[pos].get("role") == "assistant" else {}
 
 
 def sampling_params(cfg: GenerateConfig) -> dict:
@@ -103,7 +119,7 @@ def next_segment(original: list[dict], positions: list[int], turn: int, assistan
     """
     pos = positions[turn]
     end = positions[turn + 1]
-    recorded = original[pos] if pos < len(original) and original[pos].get("role") == "assistant" else {}
+    recorded = _recorded(original, pos)
     if tool_names(assistant.get("tool_calls")) != tool_names(recorded.get("tool_calls")):
         return None
     id_map = {}
@@ -111,7 +127,7 @@ def next_segment(original: list[dict], positions: list[int], turn: int, assistan
         if old.get("id") and new.get("id"):
             id_map[old["id"]] = new["id"]
     segment = []
-    for m in original[pos + 1:end]:
+    for m in original[pos + (1 if recorded else 0):end]:
         m = dict(m)
         if m.get("role") == "tool" and m.get("tool_call_id") in id_map:
             m["tool_call_id"] = id_map[m["tool_call_id"]]
@@ -120,11 +136,25 @@ def next_segment(original: list[dict], positions: list[int], turn: int, assistan
 
 
 def fill_missing_call_ids(assistant: dict, original: list[dict], pos: int) -> None:
-    """Give regenerated tool calls without an id the recorded call's id (same index), else `call_<i>`."""
-    recorded = original[pos].get("tool_calls") if pos < len(original) and original[pos].get("role") == "assistant" else None
+    """Give regenerated tool calls without an id (or with an id repeated within the turn) a unique id.
+
+    The recorded call's id at the same index is used when it is free, else `call_<pos>_<i>` (the turn's
+    position in `original` makes it unique across the conversation's turns), skipping any id that `original`
+    already uses elsewhere: a strict OpenAI-compatible server rejects a history whose call ids repeat.
+    """
+    recorded = _recorded(original, pos).get("tool_calls") or []
+    taken = {tc.get("id") for i, m in enumerate(original) if i != pos for tc in m.get("tool_calls") or []}
+    seen: set = set()
     for i, tc in enumerate(assistant.get("tool_calls") or []):
-        if not tc.get("id"):
-            tc["id"] = (recorded[i].get("id") if recorded and i < len(recorded) else None) or f"call_{i}"
+        if tc.get("id") and tc["id"] not in seen:
+            seen.add(tc["id"])
+            continue
+        rec = recorded[i].get("id") if i < len(recorded) else None
+        new = rec if rec and rec not in seen else f"call_{pos}_{i}"
+        while new in seen or new in taken:
+            new += "_"
+        tc["id"] = new
+        seen.add(new)
 
 
 def tools_from_json(tools: str | None) -> list[dict] | None:

@@ -174,6 +174,18 @@ def test_multi_turn_history_is_the_regenerated_one(server, run_dir):
     assert "OLD" not in json.dumps(sent) and r1["messages"][1]["content"] == r0["content"]
 
 
+def test_consecutive_user_turns_are_answered_one_by_one(server, run_dir):
+    """An MT-Bench `turns` row (two user messages, no answers): turn 1 is answered, then asked with turn 2."""
+    messages = [{"role": "user", "content": "Name a colour."}, {"role": "user", "content": "Now name a fruit of that colour."}]
+    write_prompts(run_dir, [(messages, None)])
+    m = run_generate(fast_config(), run_dir, endpoints=[server.base_url], progress=False)
+    r0, r1 = sorted(rows_of(run_dir), key=lambda r: r["turn"])
+    assert (r0["status"], r1["status"]) == ("ok", "ok") and m["accounting"]["units"] == 2
+    assert [mm["content"] for mm in r0["messages"]] == ["Name a colour."]
+    assert [mm["role"] for mm in r1["messages"]] == ["user", "assistant", "user"]
+    assert r1["messages"][1]["content"] == r0["content"] and r1["messages"][2]["content"] == messages[1]["content"]
+
+
 def test_api_key_is_sent_but_never_written(tmp_path, run_dir, monkeypatch):
     secret = "sk-test-SECRET-9f8e7d6c5b4a"
     monkeypatch.setenv("REGEN_TEST_KEY", secret)

@@ -11,7 +11,7 @@ from regen.generate import ledger
 from regen.generate.checks import Completion, check_completion, classify_status
 from regen.generate.client import backoff_delay, parse_retry_after
 from regen.config.generate import GenerateConfig, RetryConfig
-from regen.generate.conversation import next_segment, request_body, request_key, turn_positions
+from regen.generate.conversation import fill_missing_call_ids, next_segment, request_body, request_key, turn_positions
 from regen.errors import InputError
 from regen.generate.stage import resolve_endpoints
 
@@ -48,8 +48,49 @@ def test_turn_positions_cover_every_assistant_and_a_final_user_or_tool():
     assert turn_positions([{"role": "system"}, u, a]) == [2]
     assert turn_positions([u, a, u]) == [1, 3]
     assert turn_positions([u, a, t]) == [1, 3]
-    assert turn_positions([u, u, a, u, a]) == [2, 4]
     assert turn_positions([{"role": "system"}]) == []
+
+
+def test_consecutive_user_turns_are_answered_turn_by_turn():
+    """MT-Bench `turns` rows are consecutive user messages: each gets its own answer (issue 11, point 1)."""
+    u, a, t = {"role": "user"}, {"role": "assistant"}, {"role": "tool"}
+    assert turn_positions([u, u]) == [1, 2]
+    assert turn_positions([u, u, u]) == [1, 2, 3]
+    assert turn_positions([u, u, a, u, a]) == [1, 2, 4]
+    assert turn_positions([{"role": "system"}, u, u, a]) == [2, 3]
+    assert turn_positions([u, a, t, t]) == [1, 4]  # parallel tool results are not split
+    assert turn_positions([u, a, t, u]) == [1, 3, 4]  # a tool result the user follows is answered first
+    q1, q2, q3 = ({"role": "user", "content": c} for c in ("Name a colour.", "Now a fruit of that colour.", "Why?"))
+    original = [q1, q2, q3]
+    pos = turn_positions(original)
+    history = original[: pos[0]]
+    assert history == [q1]
+    for k, answer in enumerate(("Red.", "A cherry.")):
+        assistant = {"role": "assistant", "content": answer}
+        history = history + [assistant] + next_segment(original, pos, k, assistant)
+    assert [m["content"] for m in history] == ["Name a colour.", "Red.", "Now a fruit of that colour.", "A cherry.",
+                                               "Why?"]
+    # a recorded answer in the middle is replaced, not kept beside the regenerated one
+    original = [q1, q2, {"role": "assistant", "content": "old"}, q3]
+    pos = turn_positions(original)
+    assert pos == [1, 2, 4]
+    assert next_segment(original, pos, 0, {"content": "x"}) == [q2]
+    assert next_segment(original, pos, 1, {"content": "y"}) == [q3]
+
+
+def test_filled_call_ids_are_unique_within_the_conversation():
+    rec = [{"id": "call_0", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    original = [{"role": "user", "content": "q"}, {"role": "assistant", "tool_calls": rec},
+                {"role": "tool", "tool_call_id": "call_0", "content": "r"}, {"role": "user", "content": "again"}]
+    first = {"tool_calls": [{"function": {"name": "f"}}, {"function": {"name": "f"}}]}
+    fill_missing_call_ids(first, original, 1)
+    ids = [tc["id"] for tc in first["tool_calls"]]
+    assert ids[0] == "call_0" and len(set(ids)) == 2
+    second = {"tool_calls": [{"function": {"name": "f"}}, {"id": "dup", "function": {"name": "f"}},
+                             {"id": "dup", "function": {"name": "f"}}]}
+    fill_missing_call_ids(second, original, 4)  # an inserted turn: no recorded call, server sent no or repeated ids
+    ids2 = [tc["id"] for tc in second["tool_calls"]]
+    assert len(set(ids2)) == 3 and not set(ids2) & set(ids) and "call_0" not in ids2
 
 
 def test_next_segment_rewrites_tool_ids_and_stops_on_mismatch():

@@ -143,3 +143,25 @@ def test_dataset_dict_splits_are_source_files(tmp_path):
     files = sorted({d.source_file for d in drafts})
     assert files == [f"{tmp_path / 'dd'}#test", f"{tmp_path / 'dd'}#train"]
     assert [d.category for d in drafts if d.source_file.endswith("#test")] == ["reasoning"]
+
+
+def test_every_user_turn_of_the_bundled_prompts_gets_its_own_answer(repo_root):
+    """Multi-turn rows of every bundled shape (MT-Bench `turns` in three languages, BFCL multi-turn, ShareGPT with
+    several human turns, kimi-mtp): the generate stage answers each user turn (issue 11, point 1)."""
+    from regen.generate.conversation import turn_positions
+
+    num_multi = 0
+    for name in ("fastchat_mt_bench", "mt_bench_zh", "mt_bench_multilingual", "bfcl_v4", "fastchat_dummy_conversation",
+                 "llamafactory_toolcall", "kimi_mtp_sample"):
+        for d in _drafts(repo_root / "data/prompts" / name):
+            if d.error:
+                continue
+            users = [i for i, m in enumerate(d.messages) if m["role"] == "user"]
+            pos = turn_positions(d.messages)
+            num_multi += len(users) > 1
+            # one generated turn after each user message: at the next recorded assistant or inserted right after it
+            for i in users:
+                nxt = next((j for j in range(i + 1, len(d.messages)) if d.messages[j]["role"] != "tool"), len(d.messages))
+                assert (i + 1) in pos or nxt in pos, (name, d.source_row, [m["role"] for m in d.messages], pos)
+            assert len(pos) >= len(users)
+    assert num_multi > 50
