@@ -7,7 +7,10 @@ Out: a deduplicated, filtered, seeded selection in the requested category mix, e
 
 Modules, in reading order:
     sources.py   files -> batches of raw rows -> normalized prompt drafts (or parse rejects)
-    shapes.py    row shapes -> OpenAI-style `messages` + `tools`
+    shapes.py    row shapes -> OpenAI-style `messages` + `tools`; tool results linked to their calls
+    kimi_text.py Kimi-K2 markers written as text -> tool_calls / tool messages; declared or inferred tools
+    tool_schemas.py  tool declarations (glaive, BFCL dialect, OpenAI) -> OpenAI `tools`
+    errors.py    RowError: a malformed row (a `parse` reject with the field and the reason)
     classify.py  category and language: source labels, then config, then a classifier
     batches.py   the per-batch work (normalize, filter, sign for near dedup), in forked workers
     stage.py     the stage: exact + near dedup, the seeded stratified mix, outputs and manifest

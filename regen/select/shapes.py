@@ -30,8 +30,11 @@ filter `parse`. Tool schemas follow the OpenAI chat-completions `tools` format
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
+
+from regen.select.errors import RowError
+from regen.select.kimi_text import kimi_calls, kimi_returns, split_think
+from regen.select.tool_schemas import bfcl_class_tools, openai_tools
 
 PROMPT_FIELDS = ("prompt", "question", "problem", "problem_statement", "instruction", "query", "text", "input",
                  "content")
@@ -41,34 +44,6 @@ ROLE_ALIASES = {
     "function_call": "tool_call", "tool_call": "tool_call", "observation": "tool", "tool": "tool",
     "function": "tool", "tool_response": "tool", "ipython": "tool",
 }
-# BFCL tool-schema dialect -> JSON Schema types (BFCL `model_handler/utils.py` convert_to_tool / GORILLA_TO_OPENAPI).
-BFCL_TYPES = {
-    "dict": "object", "float": "number", "double": "number", "tuple": "array", "Array": "array",
-    "ArrayList": "array", "list": "array", "HashMap": "object", "String": "string", "str": "string",
-    "char": "string", "long": "integer", "int": "integer", "short": "integer", "byte": "integer",
-    "Boolean": "boolean", "bool": "boolean", "any": None,
-}
-# BFCL `involved_classes` -> multi_turn_func_doc file stem (BFCL `constants/category_mapping.py`).
-BFCL_CLASS_FILES = {
-    "GorillaFileSystem": "gorilla_file_system", "MathAPI": "math_api", "MessageAPI": "message_api",
-    "TwitterAPI": "posting_api", "TicketAPI": "ticket_api", "TradingBot": "trading_bot",
-    "TravelAPI": "travel_booking", "VehicleControlAPI": "vehicle_control", "WebSearchAPI": "web_search",
-    "MemoryAPI_kv": "memory_kv", "MemoryAPI_vector": "memory_vector", "MemoryAPI_rec_sum": "memory_rec_sum",
-}
-KIMI_SECTION = re.compile(r"<\|tool_calls_section_begin\|>(.*?)<\|tool_calls_section_end\|>", re.S)
-KIMI_CALL = re.compile(
-    r"<\|tool_call_begin\|>\s*(?P<id>[^<]+?)\s*<\|tool_call_argument_begin\|>(?P<args>.*?)<\|tool_call_end\|>", re.S
-)
-KIMI_ID = re.compile(r"^(?:functions\.)?(?P<name>[A-Za-z0-9_.\-]+):(?P<idx>\d+)$")
-
-
-class RowError(ValueError):
-    """A malformed row in a known shape: `field` names the offending field, `reason` says what is wrong."""
-
-    def __init__(self, field: str, reason: str):
-        super().__init__(f"{field}: {reason}")
-        self.field = field
-        self.reason = reason
 
 
 def detect_shape(row, fields: dict[str, str]) -> tuple[str | None, dict[str, str]]:
@@ -102,85 +77,6 @@ def detect_shape(row, fields: dict[str, str]) -> tuple[str | None, dict[str, str
         if name in keys and isinstance(row[name], str):
             return "prompt", {"prompt": name, **f}
     return None, f
-
-
-# ---------------------------------------------------------------------------------------------- tools
-
-
-def _bfcl_schema(node):
-    """Rewrite one BFCL parameter schema node (recursively) into JSON Schema types."""
-    if not isinstance(node, dict):
-        return node
-    out = dict(node)
-    t = out.get("type")
-    if isinstance(t, str) and t in BFCL_TYPES:
-        mapped = BFCL_TYPES[t]
-        if mapped is None:
-            out.pop("type")
-        else:
-            out["type"] = mapped
-    if isinstance(out.get("properties"), dict):
-        out["properties"] = {k: _bfcl_schema(v) for k, v in out["properties"].items()}
-    for key in ("items", "additionalProperties"):
-        if isinstance(out.get(key), dict):
-            out[key] = _bfcl_schema(out[key])
-    return out
-
-
-def openai_tools(raw, field: str, bfcl: bool = False) -> list[dict] | None:
-    """Tools in any accepted form -> OpenAI `[{type: function, function: {...}}]`; None when empty.
-
-    Accepts a JSON string (glaive), a list of bare function objects (glaive, BFCL) or of OpenAI tools.
-    With `bfcl`, parameter types are rewritten (dict->object, float->number, ...) and dots in function
-    names become underscores (as BFCL's OpenAI handler does). Raises RowError on bad JSON or a non-object tool.
-    """
-    if raw is None:
-        return None
-    if isinstance(raw, str):
-        if not raw.strip():
-            return None
-        try:
-            raw = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            raise RowError(field, f"tools is not valid JSON ({exc.msg} at char {exc.pos})") from None
-    if isinstance(raw, dict):
-        raw = [raw]
-    if not isinstance(raw, list):
-        raise RowError(field, f"tools must be a list of function objects, got {type(raw).__name__}")
-    tools = []
-    for i, t in enumerate(raw):
-        if not isinstance(t, dict):
-            raise RowError(field, f"tool {i} is a {type(t).__name__}, expected an object")
-        fn = t["function"] if t.get("type") == "function" and isinstance(t.get("function"), dict) else t
-        fn = {k: v for k, v in fn.items() if k in ("name", "description", "parameters", "strict")}
-        if bfcl:
-            if isinstance(fn.get("name"), str):
-                fn["name"] = fn["name"].replace(".", "_")
-            if isinstance(fn.get("parameters"), dict):
-                fn["parameters"] = _bfcl_schema(fn["parameters"])
-        tools.append({"type": "function", "function": fn})
-    return tools or None
-
-
-def bfcl_class_tools(classes, excluded, base_dir: Path, cache: dict) -> list[dict]:
-    """Tools of BFCL `involved_classes` from `base_dir/multi_turn_func_doc/<stem>.json` (minus `excluded`)."""
-    if not isinstance(classes, list) or not all(isinstance(c, str) for c in classes):
-        raise RowError("involved_classes", "must be a list of class names")
-    excluded = set(excluded or [])
-    tools: list[dict] = []
-    for cls in classes:
-        stem = BFCL_CLASS_FILES.get(cls)
-        if stem is None:
-            raise RowError("involved_classes", f"unknown BFCL class {cls!r} (known: {sorted(BFCL_CLASS_FILES)})")
-        path = base_dir / "multi_turn_func_doc" / f"{stem}.json"
-        if path not in cache:
-            if not path.exists():
-                raise RowError("involved_classes", f"tool docs for {cls} not found at {path}")
-            with open(path, encoding="utf-8") as fh:
-                cache[path] = [json.loads(line) for line in fh if line.strip()]
-        docs = [d for d in cache[path] if d.get("name") not in excluded]
-        tools.extend(openai_tools(docs, "involved_classes", bfcl=True) or [])
-    return tools
 
 
 # ------------------------------------------------------------------------------------------- messages
@@ -222,81 +118,162 @@ def _maybe_parts(text: str, field: str):
     return _content_parts(parts, field)
 
 
-def _kimi_calls(text: str, field: str) -> tuple[str, list[dict]]:
-    """Kimi tool markers in assistant text -> (text before the section, OpenAI tool_calls)."""
-    if "<|tool_calls_section_begin|>" not in text and "<|tool_call_begin|>" not in text:
-        return text, []
-    m = KIMI_SECTION.search(text)
-    if m is None:
-        raise RowError(field, "Kimi tool-call section is not closed (<|tool_calls_section_end|> missing)")
-    calls = []
-    for c in KIMI_CALL.finditer(m.group(1)):
-        call_id = c.group("id").strip()
-        idm = KIMI_ID.match(call_id)
-        if idm is None:
-            raise RowError(field, f"Kimi tool call id {call_id!r} is not functions.NAME:INDEX")
-        args = c.group("args").strip()
-        try:
-            json.loads(args)
-        except json.JSONDecodeError:
-            raise RowError(field, f"Kimi tool call {call_id!r} arguments are not valid JSON") from None
-        calls.append({"id": call_id, "type": "function", "function": {"name": idm.group("name"), "arguments": args}})
-    if not calls:
-        raise RowError(field, "Kimi tool-call section holds no well-formed <|tool_call_begin|> ... <|tool_call_end|>")
-    return text[: m.start()].rstrip(), calls
-
-
-def _sharegpt_call(value, field: str, k: int) -> dict:
-    """A ShareGPT `function_call` value (JSON {name, arguments}) -> one OpenAI tool call."""
+def _sharegpt_calls(value, field: str) -> list[dict]:
+    """A ShareGPT/LLaMA-Factory `function_call` value -> calls (source ids or None): a JSON `{name, arguments}`
+    object, or a JSON list of them (parallel calls, in order)."""
     obj = value
     if isinstance(value, str):
         try:
             obj = json.loads(value)
         except json.JSONDecodeError as exc:
             raise RowError(field, f"function_call value is not valid JSON ({exc.msg})") from None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        raise RowError(field, "function_call value must be an object with a string 'name'")
-    args = obj.get("arguments", {})
-    args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-    return {"id": f"call_{k}", "type": "function", "function": {"name": obj["name"], "arguments": args}}
+    items = obj if isinstance(obj, list) else [obj]
+    if not items:
+        raise RowError(field, "function_call value is an empty list of calls")
+    calls = []
+    for j, o in enumerate(items):
+        if not isinstance(o, dict) or not isinstance(o.get("name"), str):
+            which = f"call {j} of the function_call list" if isinstance(obj, list) else "function_call value"
+            raise RowError(field, f"{which} must be an object with a string 'name'")
+        args = o.get("arguments", {})
+        args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+        calls.append({"id": o["id"] if isinstance(o.get("id"), str) and o["id"] else None, "type": "function",
+                      "function": {"name": o["name"], "arguments": args}})
+    return calls
+
+
+class _Conversation:
+    """Builds one conversation's messages: call ids unique within it, every tool result linked to its call.
+
+    A *round* is one assistant message's calls. Its results are the tool turns right after it, linked by the
+    result's own id where it has one (`tool_call_id`, Kimi `## Return of {id}`), else in order; a single
+    result turn holding a JSON list of exactly N results answers N parallel calls (LLaMA-Factory). Every call
+    of a round needs exactly one result before the conversation goes on (RowError otherwise); calls that end
+    the conversation are the answer to regenerate and are dropped with it.
+    """
+
+    def __init__(self):
+        self.messages: list[dict] = []
+        self.used: set[str] = set()
+        self.num_calls = 0
+        self.round: list[dict] = []
+        self.rename: dict[str, str] = {}  # source id -> unique id, this round
+        self.answered: set[str] = set()
+        self.round_at = ""
+
+    def _unique(self, call: dict) -> dict:
+        src = call.get("id")
+        new = src if src and src not in self.used else None
+        n = self.num_calls
+        while new is None or new in self.used:
+            new = f"functions.{call['function']['name']}:{n}" if src and src.startswith("functions.") else f"call_{n}"
+            n += 1
+        self.used.add(new)
+        self.num_calls += 1
+        if src:
+            self.rename.setdefault(src, new)
+        return {"id": new, "type": "function", "function": call["function"]}
+
+    def _close_round(self, where: str) -> None:
+        missing = [c for c in self.round if c["id"] not in self.answered]
+        if missing:
+            raise RowError(where, f"{len(missing)} of the {len(self.round)} tool call(s) at {self.round_at} have no "
+                                  f"result before this turn (first: {missing[0]['function']['name']!r})")
+        self.round, self.rename, self.answered = [], {}, set()
+
+    def add(self, msg: dict, where: str) -> None:
+        """A system, user or assistant message without calls."""
+        self._close_round(where)
+        self.messages.append(msg)
+
+    def add_calls(self, calls: list[dict], where: str, msg: dict | None = None) -> None:
+        """Calls of an assistant message `msg`, or (None) of a ShareGPT `function_call` turn: those join the
+        assistant message just before them, else start one."""
+        last = self.messages[-1] if self.messages else None
+        if msg is None and last is not None and last["role"] == "assistant":
+            msg = last
+        else:
+            self._close_round(where)
+            msg = msg if msg is not None else {"role": "assistant", "content": None}
+            self.messages.append(msg)
+        if not msg.get("tool_calls"):
+            self.round_at = where
+        calls = [self._unique(c) for c in calls]
+        msg.setdefault("tool_calls", []).extend(calls)
+        self.round.extend(calls)
+
+    def add_results(self, results: list[tuple[str | None, object]], where: str) -> None:
+        """One block of consecutive tool turns: `[(the result's own call id or None, content)]`."""
+        pending = [c for c in self.round if c["id"] not in self.answered]
+        if not pending:
+            raise RowError(where, "tool result without a preceding tool call")
+        if len(results) == 1 and results[0][0] is None and len(pending) > 1:
+            parts = results[0][1]
+            try:
+                parts = json.loads(parts) if isinstance(parts, str) else parts
+            except json.JSONDecodeError:
+                parts = None
+            if not isinstance(parts, list) or len(parts) != len(pending):
+                raise RowError(where, f"{len(pending)} parallel tool calls at {self.round_at} but one result turn "
+                                      f"that is not a JSON list of {len(pending)} results")
+            results = [(None, p) for p in parts]
+        if len(results) != len(pending):
+            raise RowError(where, f"{len(pending)} tool call(s) at {self.round_at} but {len(results)} tool result(s)")
+        free = list(pending)
+        for rid, value in results:
+            call = free[0]
+            if rid is not None:
+                uid = self.rename.get(rid, rid)
+                call = next((c for c in free if c["id"] == uid), None)
+                if call is None:
+                    raise RowError(where, f"tool result for {rid!r} matches none of the pending calls "
+                                          f"({', '.join(c['id'] for c in free)})")
+            free.remove(call)
+            self.answered.add(call["id"])
+            content = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+            self.messages.append({"role": "tool", "content": content, "tool_call_id": call["id"],
+                                  "name": call["function"]["name"]})
 
 
 def conversation_messages(turns, field: str, role_key: str | None = None, content_key: str | None = None) -> list[dict]:
     """ShareGPT/Kimi/OpenAI turns -> validated OpenAI messages (trailing assistant turns dropped).
 
+    Tool calls: ShareGPT `function_call` turns (one call or a JSON list of parallel calls), OpenAI
+    `tool_calls`, Kimi-K2 markers in assistant text (`regen.select.kimi_text`); each call gets an id unique
+    within the conversation (the source's id when it is unique, else `call_<n>` / `functions.NAME:<n>`).
+    Tool results are linked to their calls as `_Conversation` says.
+
     Raises RowError for: a non-list or empty conversation, a non-object turn, a missing or unknown role,
-    a non-string value, bad JSON in a tool call or content parts, a tool result without a pending call,
-    an assistant-first conversation, or no user message.
+    a non-string value, bad JSON in a tool call or content parts, unbalanced Kimi markers, a tool result
+    without a pending call, calls and results that do not match (count or id), an assistant-first
+    conversation, or no user message.
     """
     if not isinstance(turns, list):
         raise RowError(field, f"must be a list of turns, got {type(turns).__name__}")
     if not turns:
         raise RowError(field, "empty conversation")
-    messages: list[dict] = []
-    pending: list[dict] = []
-    k = 0
-    for i, t in enumerate(turns):
+    conv = _Conversation()
+    i = 0
+    while i < len(turns):
+        t = turns[i]
         where = f"{field}[{i}]"
-        if not isinstance(t, dict):
-            raise RowError(where, f"turn is a {type(t).__name__}, expected an object")
-        rk = role_key or ("from" if "from" in t else "role")
-        ck = content_key or ("value" if "value" in t else "content")
-        if rk not in t:
-            keys = f"{role_key!r}" if role_key else "'from' or 'role'"
-            raise RowError(where, f"turn has no role field ({keys})")
-        raw_role = t[rk]
-        role = ROLE_ALIASES.get(raw_role) if isinstance(raw_role, str) else None
-        if role is None:
-            raise RowError(where, f"unknown role {raw_role!r} (known: {sorted(ROLE_ALIASES)})")
-        value = t.get(ck)
+        role, value, ck = _turn_role(t, where, role_key, content_key)
         if role == "tool_call":
-            call = _sharegpt_call(value, where, k)
-            k += 1
-            if messages and messages[-1]["role"] == "assistant":
-                messages[-1].setdefault("tool_calls", []).append(call)
-            else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-            pending.append(call)
+            conv.add_calls(_sharegpt_calls(value, where), where)
+            i += 1
+            continue
+        if role == "tool":
+            results = []
+            while i < len(turns) and _turn_role(turns[i], f"{field}[{i}]", role_key, content_key)[0] == "tool":
+                _, value, ck = _turn_role(turns[i], f"{field}[{i}]", role_key, content_key)
+                if isinstance(value, (list, dict)):
+                    value = json.dumps(value, ensure_ascii=False)
+                elif not isinstance(value, str):
+                    raise RowError(f"{field}[{i}]", f"{ck!r} must be a string, got {type(value).__name__}")
+                own = turns[i].get("tool_call_id")
+                results.extend([(own, value)] if isinstance(own, str) and own else kimi_returns(value))
+                i += 1
+            conv.add_results(results, where)
             continue
         if isinstance(value, list):
             value = _content_parts(value, where)
@@ -305,34 +282,49 @@ def conversation_messages(turns, field: str, role_key: str | None = None, conten
                 value = None
             else:
                 raise RowError(where, f"{ck!r} must be a string, got {type(value).__name__}")
-        if role == "tool":
-            if not pending:
-                raise RowError(where, "tool result without a preceding tool call")
-            call = pending.pop(0)
-            msg = {"role": "tool", "content": value if isinstance(value, str) else json.dumps(value),
-                   "tool_call_id": t.get("tool_call_id") or call["id"], "name": call["function"]["name"]}
-            messages.append(msg)
-            continue
         msg: dict = {"role": role}
-        if role == "assistant":
-            calls = []
-            if isinstance(value, str):
-                value, calls = _kimi_calls(value, where)
-            if t.get("tool_calls"):
-                calls = calls + _openai_calls(t["tool_calls"], where)
-            if isinstance(t.get("reasoning_content"), str):
-                msg["reasoning_content"] = t["reasoning_content"]
-            msg["content"] = value if (value or not calls) else None
-            if calls:
-                msg["tool_calls"] = calls
-                pending.extend(calls)
-        else:
+        if role != "assistant":
             msg["content"] = _maybe_parts(value, where) if isinstance(value, str) else value
-        messages.append(msg)
-    return finish_conversation(messages, field)
+            conv.add(msg, where)
+            i += 1
+            continue
+        calls = []
+        if isinstance(value, str):
+            reasoning, value = split_think(value)
+            if reasoning is not None:
+                msg["reasoning_content"] = reasoning
+            value, calls = kimi_calls(value, where)
+        if t.get("tool_calls"):
+            calls = calls + _openai_calls(t["tool_calls"], where)
+        if isinstance(t.get("reasoning_content"), str):
+            msg["reasoning_content"] = t["reasoning_content"]
+        msg["content"] = value if (value or not calls) else None
+        if calls:
+            conv.add_calls(calls, where, msg)
+        else:
+            conv.add(msg, where)
+        i += 1
+    return finish_conversation(conv.messages, field)
+
+
+def _turn_role(t, where: str, role_key: str | None, content_key: str | None) -> tuple[str, object, str]:
+    """(normalized role, value, content key) of one turn; raises RowError for a non-object or unknown role."""
+    if not isinstance(t, dict):
+        raise RowError(where, f"turn is a {type(t).__name__}, expected an object")
+    rk = role_key or ("from" if "from" in t else "role")
+    ck = content_key or ("value" if "value" in t else "content")
+    if rk not in t:
+        keys = f"{role_key!r}" if role_key else "'from' or 'role'"
+        raise RowError(where, f"turn has no role field ({keys})")
+    raw_role = t[rk]
+    role = ROLE_ALIASES.get(raw_role) if isinstance(raw_role, str) else None
+    if role is None:
+        raise RowError(where, f"unknown role {raw_role!r} (known: {sorted(ROLE_ALIASES)})")
+    return role, t.get(ck), ck
 
 
 def _openai_calls(calls, where: str) -> list[dict]:
+    """OpenAI `tool_calls` -> calls with the source's id (None when absent; made unique by the conversation)."""
     if not isinstance(calls, list):
         raise RowError(where, "tool_calls must be a list")
     out = []
@@ -342,7 +334,8 @@ def _openai_calls(calls, where: str) -> list[dict]:
             raise RowError(where, f"tool_calls[{j}] has no function.name")
         args = fn.get("arguments", "{}")
         args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-        out.append({"id": c.get("id") or f"call_{j}", "type": "function", "function": {"name": fn["name"], "arguments": args}})
+        cid = c["id"] if isinstance(c.get("id"), str) and c["id"] else None
+        out.append({"id": cid, "type": "function", "function": {"name": fn["name"], "arguments": args}})
     return out
 
 
@@ -370,14 +363,14 @@ def _lf_message(m: dict, where: str) -> dict:
         elif kind == "reasoning":
             reasoning.append(str(value))
         elif kind == "tool_call":
-            calls.append(_sharegpt_call(value, where, j))
+            calls.extend(_sharegpt_calls(value, where))
         else:
             raise RowError(where, f"content part {j} has unknown type {kind!r} (text, reasoning, tool_call)")
     out = {"role": m.get("role"), "content": "\n".join(text)}
     if reasoning:
         out["reasoning_content"] = "\n".join(reasoning)
     if calls:
-        out["tool_calls"] = [{"id": f"call_{j}", **{k: v for k, v in c.items() if k != "id"}} for j, c in enumerate(calls)]
+        out["tool_calls"] = calls  # ids made unique by the conversation
     return out
 
 
