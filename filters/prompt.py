@@ -6,6 +6,9 @@ with `from_config(cfg)`; the pipeline runs them in the config's `filters` order 
 `rejected/select/` with the filter's name and reason. Registry: `PROMPT_FILTERS` (a literal dict).
 
   empty          score: non-space characters of user text; keep >= min_prompt_chars
+  control_chars  score: C0 control characters (U+0000-U+001F but tab, newline, carriage return) and DEL in
+                 any message's text or the tools; keep when 0 (they are corruption in prompt pools: a NUL cuts
+                 C strings in servers and tokenizers; drop the filter from `select.filters` to keep them)
   image_only     score: 1 when a user message holds images and no text (with drop_prompts_with_images: any
                  image); keep when 0
   tool_schema    score: number of problems in the tools / tool calls (OpenAI function-tool format,
@@ -51,6 +54,48 @@ class EmptyFilter(Filter):
 
     def reason(self, record, score: float) -> str:
         return f"user text has {int(score)} non-space characters (minimum {self.min_chars}): empty or whitespace prompt"
+
+
+CONTROL_CHARS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+
+
+def _strings(messages, tools):
+    """(where, text) for every string the prompt sends: message contents, parts, reasoning, calls, tools."""
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        if isinstance(content, str):
+            yield f"messages[{i}].content", content
+        elif isinstance(content, list):
+            for j, p in enumerate(content):
+                if isinstance(p.get("text"), str):
+                    yield f"messages[{i}].content[{j}]", p["text"]
+        if isinstance(m.get("reasoning_content"), str):
+            yield f"messages[{i}].reasoning_content", m["reasoning_content"]
+        for j, c in enumerate(m.get("tool_calls") or []):
+            yield f"messages[{i}].tool_calls[{j}]", json.dumps(c, ensure_ascii=False)
+    if tools:
+        yield "tools", json.dumps(tools, ensure_ascii=False)
+
+
+class ControlCharsFilter(Filter):
+    name = "control_chars"
+
+    @classmethod
+    def from_config(cls, cfg):
+        return cls()
+
+    def score(self, record) -> float:
+        return float(sum(len(CONTROL_CHARS.findall(t)) for _, t in _strings(record.messages, record.tools)))
+
+    def keep(self, score: float) -> bool:
+        return score == 0
+
+    def reason(self, record, score: float) -> str:
+        where, text = next((w, t) for w, t in _strings(record.messages, record.tools) if CONTROL_CHARS.search(t))
+        m = CONTROL_CHARS.search(text)
+        return (f"{int(score)} control character(s), first U+{ord(m.group()):04X} in {where} at char {m.start()}: "
+                f"C0 controls other than tab/newline/CR are not prompt text (remove control_chars from select.filters "
+                f"to keep them)")
 
 
 class ImageOnlyFilter(Filter):
@@ -347,6 +392,7 @@ class NearDedupFilter(Filter):
 
 PROMPT_FILTERS: dict[str, type[Filter]] = {
     "empty": EmptyFilter,
+    "control_chars": ControlCharsFilter,
     "image_only": ImageOnlyFilter,
     "tool_schema": ToolSchemaFilter,
     "token_budget": TokenBudgetFilter,

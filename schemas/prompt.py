@@ -28,6 +28,7 @@ PROMPT_SCHEMA = pa.schema(
         ("source_row", pa.int64()),  # 0-based row index in source_file: a pointer back, never an identity
         ("num_turns", pa.int32()),  # user turns in the conversation
         ("num_prompt_tokens", pa.int32()),  # estimated prompt length used by the token-budget filter
+        ("tools_inferred", pa.bool_()),  # tools inferred from the row's calls (no declaration in the source)
     ],
     metadata={"schema": "regen.prompt", "schema_version": str(SCHEMA_VERSION)},
 )
@@ -59,6 +60,7 @@ class PromptRecord:
     source_row: int
     num_turns: int = 0
     num_prompt_tokens: int = 0
+    tools_inferred: bool = False
 
     def to_arrow_row(self) -> dict:
         return {
@@ -72,4 +74,5 @@ class PromptRecord:
             "source_row": self.source_row,
             "num_turns": self.num_turns,
             "num_prompt_tokens": self.num_prompt_tokens,
+            "tools_inferred": self.tools_inferred,
         }

@@ -55,6 +55,17 @@ class SelectConfig(BaseModel):
     max_per_source: dict[str, int] = Field(default_factory=dict)
     max_per_language: dict[str, int] = Field(default_factory=dict)
     shortfall_policy: str = "redistribute"  # redistribute | report_only
+    # A category selected below `min_category_fill` x its target (round(total * share)) is a starved quota:
+    # a loud warning on stderr and in the manifest's `warnings` (`warn`), or an InputError before anything is
+    # written (`fail`). 0 turns the check off.
+    min_category_fill: float = 0.5
+    on_category_shortfall: str = "warn"  # warn | fail
+    # Rows with tool calls but no declared tools: tools from JSON schemas in the system text, else inferred from
+    # the calls (prompts column `tools_inferred`); False rejects such rows (filter `parse`, "declares no tools").
+    infer_tool_schemas: bool = True
+    # A source file that cannot be read (not decodable, not JSON, unsupported format): `fail` stops before
+    # anything is written, naming every bad file; `skip` leaves them out (listed in the manifest's `bad_files`).
+    on_bad_file: str = "fail"  # fail | skip
     # Category policy: Chinese prompts -> "chinese", other non-English -> "multilingual", except categories
     # listed in `language_exempt_categories` (tool use is scarce and its format is language-neutral).
     language_overrides_category: bool = True
@@ -74,9 +85,31 @@ class SelectConfig(BaseModel):
     rows_per_part: int = 50_000  # prompts per output part file
     filters: list[str] = Field(
         default_factory=lambda: [
-            "empty", "image_only", "tool_schema", "token_budget", "contamination", "exact_dedup", "near_dedup"
+            "empty", "control_chars", "image_only", "tool_schema", "token_budget", "contamination", "exact_dedup", "near_dedup"
         ]
     )
+
+    @field_validator("total")
+    @classmethod
+    def _total(cls, v):
+        if v < 1:
+            raise ValueError(f"total {v}: the number of prompts to select must be >= 1")
+        return v
+
+    @field_validator("on_category_shortfall", "on_bad_file")
+    @classmethod
+    def _warn_or_fail(cls, v, info):
+        allowed = ("warn", "fail") if info.field_name == "on_category_shortfall" else ("fail", "skip")
+        if v not in allowed:
+            raise ValueError(f"{info.field_name} {v!r}: use {' or '.join(repr(a) for a in allowed)}")
+        return v
+
+    @field_validator("min_category_fill")
+    @classmethod
+    def _fill(cls, v):
+        if not 0 <= v <= 1:
+            raise ValueError(f"min_category_fill {v}: a fraction of the category's target in [0, 1]")
+        return v
 
     @field_validator("shortfall_policy")
     @classmethod

@@ -55,9 +55,10 @@ def configure(cfg, index: ContaminationIndex | None) -> None:
 def payload(obj) -> str:
     """The raw row or record as JSON for the rejected table, truncated to 4 KiB."""
     try:
-        return json.dumps(obj, ensure_ascii=False, default=str)[:4096]
-    except (TypeError, ValueError):
-        return repr(obj)[:4096]
+        text = json.dumps(obj, ensure_ascii=False, default=str)[:4096]
+    except (TypeError, ValueError, RecursionError):
+        text = repr(obj)[:4096] if not isinstance(obj, (dict, list)) else "(payload not serializable)"
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")  # lone surrogates -> \\udXXX text
 
 
 def reject_row(d, filt: str, reason: str, score, body: str) -> dict:
@@ -95,6 +96,7 @@ def process_batch(job) -> BatchResult:
                 prompt_id=d.prompt_id, messages=d.messages, tools=d.tools, category=d.category, language=d.language,
                 source=d.source, source_file=d.source_file, source_row=d.source_row,
                 num_turns=sum(1 for m in d.messages if m["role"] == "user"), num_prompt_tokens=d.num_prompt_tokens,
+                tools_inferred=d.tools_inferred,
             ).to_arrow_row()
             for d in survivors
         ], schema=PROMPT_SCHEMA)

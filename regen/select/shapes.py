@@ -33,7 +33,7 @@ import json
 from pathlib import Path
 
 from regen.select.errors import RowError
-from regen.select.kimi_text import kimi_calls, kimi_returns, split_think
+from regen.select.kimi_text import declared_tools, inferred_tools, kimi_calls, kimi_returns, split_think
 from regen.select.tool_schemas import bfcl_class_tools, openai_tools
 
 PROMPT_FIELDS = ("prompt", "question", "problem", "problem_statement", "instruction", "query", "text", "input",
@@ -431,10 +431,12 @@ def _text_field(row: dict, name: str, required: bool = True) -> str | None:
     return v
 
 
-def normalize_row(row, shape: str, fmap: dict[str, str], base_dir: Path | None = None, cache: dict | None = None):
+def normalize_row(row, shape: str, fmap: dict[str, str], base_dir: Path | None = None, cache: dict | None = None,
+                  infer_tools: bool = True):
     """One raw row of a known shape -> `(messages, tools, labels)`.
 
-    `labels` holds the row's own `category`/`language` labels (strings) where the source has them.
+    `labels` holds the row's own `category`/`language` labels (strings) where the source has them, and
+    `tools_inferred: True` when the tools were inferred from the calls (see `resolve_tools`).
     Raises RowError for a malformed row (the field and the reason).
     """
     cache = {} if cache is None else cache
@@ -498,13 +500,29 @@ def normalize_row(row, shape: str, fmap: dict[str, str], base_dir: Path | None =
             messages = [{"role": "system", "content": sys_text}] + messages
     elif isinstance(row.get("system"), str) and row["system"].strip() and messages[0]["role"] != "system":
         messages = [{"role": "system", "content": row["system"]}] + messages
-    _check_tool_calls(messages, tools)
+    tools, inferred = resolve_tools(messages, tools, infer_tools)
+    if inferred:
+        labels["tools_inferred"] = True
     return messages, tools, labels
 
 
-def _check_tool_calls(messages: list[dict], tools: list[dict] | None) -> None:
-    """Tool calls need declared tools: raises RowError for a call when the row declares no tools."""
+def resolve_tools(messages: list[dict], tools: list[dict] | None, infer: bool) -> tuple[list[dict] | None, bool]:
+    """`(tools, inferred)` for a conversation whose calls need declarations.
+
+    Declared tools are kept. A row with calls but no `tools` field: JSON tool schemas written in its system
+    text (`kimi_text.declared_tools`, e.g. a rendered `tool_declare` message); else, with `infer`, a minimal
+    schema per called function (`kimi_text.inferred_tools`, `inferred=True`: the prompt's `tools_inferred`
+    column). Raises RowError when there is nothing to declare the calls with and `infer` is off.
+    """
     calls = [c for m in messages for c in m.get("tool_calls") or []]
-    if calls and not tools:
-        raise RowError("tools", f"conversation has {len(calls)} tool call(s) (first: "
-                                f"{calls[0]['function']['name']!r}) but declares no tools")
+    if not calls or tools:
+        return tools, False
+    system = "\n".join(m["content"] for m in messages if m["role"] == "system" and isinstance(m.get("content"), str))
+    found = declared_tools(system) if system else None
+    if found:
+        return found, False
+    if infer:
+        return inferred_tools(calls), True
+    raise RowError("tools", f"conversation has {len(calls)} tool call(s) (first: {calls[0]['function']['name']!r}) "
+                            "but declares no tools (no tools field, no JSON tool schemas in the system text; "
+                            "select.infer_tool_schemas is off)")

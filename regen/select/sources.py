@@ -5,12 +5,21 @@ parquet / JSON / JSON-lines / TSV files, searched recursively, hidden folders sk
 directory written by `datasets.Dataset.save_to_disk` (each split of a DatasetDict is its own source file).
 
 File formats: Parquet (pyarrow, streamed in batches), JSON (a list of rows, or an object with one list of
-row objects such as BBH's `examples`), JSON lines (also under a `.json` name, as BFCL ships them), TSV
-without header (MGSM: question, answer; the first column is the prompt), `save_to_disk` directories
-(Arrow, via `datasets.load_from_disk`). Rows are read in `batch_rows` batches.
+row objects such as BBH's `examples`), JSON lines (also under a `.json` name, as BFCL ships them), CSV with a
+header row (pyarrow.csv; every column a string), TSV without header (MGSM: question, answer; the first column
+is the prompt), `save_to_disk` directories (Arrow, via `datasets.load_from_disk`). Rows are read in
+`batch_rows` batches. Other file types given by name are refused (`BadFile`).
 
-Errors: a missing path or an unrecognized shape raises `InputError` naming the file, the fields seen and
-the `fields:` mapping to add; a malformed row becomes a `Draft` with `error` set (filter `parse`).
+Input policies (README "Input policies"):
+- file level, the same for every format: a file that cannot be read as a whole (not decodable as UTF-8 where
+  the whole file is one JSON document, no row that parses, a damaged Parquet or Arrow file, an unsupported
+  type, an unrecognized row shape) raises `BadFile` (an InputError naming the file and the reason); the stage
+  collects every bad file, then fails or skips them (`select.on_bad_file`, `--on-bad-file`).
+- row level: a row that does not decode (invalid UTF-8 in its line), does not parse (bad JSON, nested deeper
+  than the parser's limit), holds a lone surrogate (`"\ud800"`, not encodable as UTF-8) or is malformed in its
+  shape becomes a `Draft` with `error` set (a reject with filter `parse`, its row index and the reason).
+- the shape is detected by a vote over the first `SHAPE_SAMPLE` parsed rows, so one bad row does not decide it.
+A missing path raises `InputError` at once (a config error, not a bad file).
 """
 from __future__ import annotations
 
@@ -21,7 +30,6 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 from regen.select.classify import apply_language_policy, heuristic_category, identify_language, label_category, normalize_language
 from regen.config.select import SelectConfig, SourceConfig
@@ -30,8 +38,18 @@ from regen.select.shapes import RowError, detect_shape, normalize_row
 from filters.text import message_text
 from schemas.prompt import prompt_id_of
 
-DATA_SUFFIXES = (".parquet", ".jsonl", ".json", ".tsv", ".ndjson")
+DATA_SUFFIXES = (".parquet", ".jsonl", ".json", ".tsv", ".csv", ".ndjson")
+SHAPE_SAMPLE = 200  # rows that vote on a file's shape
 SKIP_NAMES = {"dataset_info.json", "dataset_infos.json", "state.json", "dataset_dict.json"}
+
+
+class BadFile(InputError):
+    """A source file that cannot be read as a whole: `path` and `reason` (the file-level policy)."""
+
+    def __init__(self, path: str, reason: str):
+        super().__init__(f"{path}: {reason}")
+        self.path = path
+        self.reason = reason
 
 
 @dataclass
@@ -56,6 +74,7 @@ class Draft:
     language: str | None = None
     prompt_id: str | None = None
     text: str = ""  # user + system text (content parts' text included), for filters and classifiers
+    tools_inferred: bool = False  # tools inferred from the calls (no declaration in the row)
     error: str | None = None  # "field: reason" when the row is malformed
     filter: str = "parse"  # the reject's filter name when `error` is set
     extra: dict = field(default_factory=dict)
@@ -79,7 +98,7 @@ def source_files(src: SourceConfig) -> list[tuple[str, str]]:
     elif path.is_dir():
         out = _expand(path)
     elif path.is_file():
-        out = [(str(path), _kind(path))]
+        out = [(str(path), _kind(path) if path.name.lower().endswith(DATA_SUFFIXES) else "unsupported")]
     else:
         raise InputError(f"source {src.name!r}: {path} does not exist (path {raw!r} in the profile's select.sources)")
     if not out:
@@ -89,7 +108,8 @@ def source_files(src: SourceConfig) -> list[tuple[str, str]]:
 
 def _kind(path: Path) -> str:
     name = path.name.lower()
-    for suffix, kind in ((".parquet", "parquet"), (".jsonl", "jsonl"), (".ndjson", "jsonl"), (".tsv", "tsv")):
+    for suffix, kind in ((".parquet", "parquet"), (".jsonl", "jsonl"), (".ndjson", "jsonl"), (".tsv", "tsv"),
+                         (".csv", "csv")):
         if name.endswith(suffix):
             return kind
     return "json"
@@ -116,16 +136,31 @@ def _expand(path: Path) -> list[tuple[str, str]]:
 
 
 def _json_rows(path: str) -> list:
-    """Rows of a `.json` file: a list, an object with one list of rows, or JSON lines under a .json name."""
-    with open(path, encoding="utf-8") as fh:
-        text = fh.read()
+    """Rows of a `.json` file: a list, an object with one list of rows, or JSON lines under a .json name.
+
+    Raises BadFile when the document is not UTF-8 or not JSON and no line of it is a JSON row either.
+    """
+    with open(path, "rb") as fh:
+        data = fh.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        rows = _jsonl_lines(data.splitlines())
+        if any(not isinstance(r, BadJSON) for r in rows):
+            return rows
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise BadFile(path, f"not valid UTF-8 (byte 0x{data[exc.start]:02x} at line {line}, byte offset "
+                            f"{exc.start}): re-encode the file as UTF-8") from None
     try:
         obj = json.loads(text)
-    except json.JSONDecodeError as exc:
-        if exc.msg == "Extra data":
-            return list(_jsonl_lines(text.splitlines()))
-        raise InputError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno}): fix the file or drop it "
-                         f"from the source") from None
+    except (json.JSONDecodeError, RecursionError) as exc:
+        rows = _jsonl_lines(text.splitlines())
+        if any(not isinstance(r, BadJSON) for r in rows):
+            return rows  # JSON lines under a .json name: bad lines are rejected row by row
+        what = (f"{exc.msg} at line {exc.lineno}" if isinstance(exc, json.JSONDecodeError)
+                else "nested deeper than the JSON parser's limit")
+        raise BadFile(path, f"not valid JSON ({what}), and no line of it is a JSON row: fix the file or drop it "
+                            f"from the source") from None
     if isinstance(obj, list):
         return obj
     if isinstance(obj, dict):
@@ -136,35 +171,80 @@ def _json_rows(path: str) -> list:
     return [obj]
 
 
-def _jsonl_lines(lines) -> Iterator:
+def _jsonl_lines(lines) -> list:
+    """Parsed rows of JSON lines (str or bytes); a line that does not decode or parse is a BadJSON row."""
+    out = []
     for line in lines:
+        if isinstance(line, bytes):
+            try:
+                line = line.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                out.append(BadJSON(f"not valid UTF-8 (byte 0x{line[exc.start]:02x} at byte {exc.start} of the line)",
+                                   line[:200].decode("utf-8", "backslashreplace")))
+                continue
         if not line.strip():
             continue
         try:
-            yield json.loads(line)
+            out.append(json.loads(line))
         except json.JSONDecodeError as exc:
-            yield BadJSON(f"{exc.msg} at char {exc.pos}", line[:200])
+            out.append(BadJSON(f"{exc.msg} at char {exc.pos}", line[:200]))
+        except RecursionError:
+            out.append(BadJSON("nested deeper than the JSON parser's limit", line[:200]))
+    return out
+
+
+def _jsonl_rows(path: str) -> list:
+    """Rows of a JSON-lines file; BadFile when it has lines and none of them is a JSON row."""
+    with open(path, "rb") as fh:
+        rows = _jsonl_lines(fh)
+    if rows and all(isinstance(r, BadJSON) for r in rows):
+        raise BadFile(path, f"no line is a JSON row (first: {rows[0].message}): not JSON lines; fix the file or "
+                            f"drop it from the source")
+    return rows
+
+
+def _csv_rows(path: str) -> list[dict]:
+    """Rows of a CSV file with a header row (pyarrow.csv, every column read as a string)."""
+    import pyarrow as pa
+    import pyarrow.csv as pcsv
+
+    try:
+        names = pcsv.read_csv(path, read_options=pcsv.ReadOptions(block_size=1 << 20)).column_names
+        table = pcsv.read_csv(path, convert_options=pcsv.ConvertOptions(column_types={n: pa.string() for n in names}))
+    except (pa.ArrowInvalid, UnicodeDecodeError) as exc:
+        raise BadFile(path, f"not a readable CSV file with a header row ({exc}): fix it or convert it to JSON "
+                            f"lines") from None
+    return table.to_pylist()
 
 
 def iter_raw_batches(path: str, kind: str, batch_rows: int, fields: dict, max_rows: int | None = None):
     """Yield `(source_file, start_row, rows)` batches of raw rows (dicts, strings or BadJSON)."""
     limit = max_rows if max_rows is not None else sys.maxsize
+    if kind == "unsupported":
+        raise BadFile(path, f"unsupported file type {Path(path).suffix or '(no suffix)'!r}: regen select reads "
+                            f"{', '.join(DATA_SUFFIXES)} files and save_to_disk directories; convert it")
     if kind == "parquet":
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        pf = pq.ParquetFile(path)
         start = 0
-        for rb in pf.iter_batches(batch_size=batch_rows):
-            rows = rb.to_pylist()[: max(0, limit - start)]
-            if not rows:
-                break
-            yield path, start, rows
-            start += len(rows)
+        try:
+            for rb in pq.ParquetFile(path).iter_batches(batch_size=batch_rows):
+                rows = rb.to_pylist()[: max(0, limit - start)]
+                if not rows:
+                    break
+                yield path, start, rows
+                start += len(rows)
+        except (pa.ArrowException, OSError) as exc:
+            raise BadFile(path, f"not a readable Parquet file after {start} rows ({exc})") from None
         return
     if kind == "hf":
         import datasets
 
-        ds = datasets.load_from_disk(path)
+        try:
+            ds = datasets.load_from_disk(path)
+        except Exception as exc:  # datasets raises several types for a damaged directory
+            raise BadFile(path, f"not a readable save_to_disk directory ({type(exc).__name__}: {exc})") from None
         splits = ds.items() if isinstance(ds, datasets.DatasetDict) else [(None, ds)]
         for split, d in splits:
             name = f"{path}#{split}" if split else path
@@ -178,9 +258,10 @@ def iter_raw_batches(path: str, kind: str, batch_rows: int, fields: dict, max_ro
         return
     if kind == "tsv":
         rows = _tsv_rows(path, fields)
+    elif kind == "csv":
+        rows = _csv_rows(path)
     elif kind == "jsonl":
-        with open(path, encoding="utf-8") as fh:
-            rows = list(_jsonl_lines(fh))
+        rows = _jsonl_rows(path)
     else:
         rows = _json_rows(path)
     rows = rows[:limit]
@@ -189,8 +270,11 @@ def iter_raw_batches(path: str, kind: str, batch_rows: int, fields: dict, max_ro
 
 
 def _tsv_rows(path: str, fields: dict) -> list[dict]:
-    with open(path, encoding="utf-8", newline="") as fh:
-        table = list(csv.reader(fh, delimiter="\t", quoting=csv.QUOTE_NONE))
+    try:
+        with open(path, encoding="utf-8", newline="") as fh:
+            table = list(csv.reader(fh, delimiter="\t", quoting=csv.QUOTE_NONE))
+    except UnicodeDecodeError as exc:
+        raise BadFile(path, f"not valid UTF-8 (byte offset {exc.start}): re-encode the file as UTF-8") from None
     table = [r for r in table if r]
     if fields.get("prompt") and table and fields["prompt"] in table[0]:
         header, body = table[0], table[1:]
@@ -199,20 +283,30 @@ def _tsv_rows(path: str, fields: dict) -> list[dict]:
 
 
 def shape_of(path: str, rows: list, fields: dict) -> tuple[str, dict]:
-    """The file's shape from its first well-formed row; raises InputError for an unrecognized shape."""
-    first = next((r for r in rows if not isinstance(r, BadJSON)), None)
-    if first is None:
+    """The file's shape by a vote of its first `SHAPE_SAMPLE` parsed rows (the most frequent recognized shape,
+    ties to the earliest): rows of another shape are then rejected one by one. Raises BadFile when no row of
+    the sample has a recognized shape."""
+    sample = [r for r in rows[: SHAPE_SAMPLE * 2] if not isinstance(r, BadJSON)][:SHAPE_SAMPLE]
+    if not sample:
         return "prompt", {"prompt": "prompt", **fields}
-    shape, fmap = detect_shape(first, fields)
-    if shape is None:
-        seen = sorted(first) if isinstance(first, dict) else [type(first).__name__]
-        raise InputError(
-            f"{path}: unrecognized row shape; fields seen: {seen}. Map them in the profile's source entry, e.g. "
-            f"`fields: {{prompt: {seen[0]!s}}}` for one text field, `fields: {{conversations: COL, role: KEY, "
-            f"content: KEY}}` for a chat, `fields: {{messages: COL}}`, `fields: {{turns: COL}}` or "
-            f"`fields: {{instruction: COL, input: COL}}` (SourceConfig.fields)"
-        )
-    return shape, fmap
+    votes: dict = {}
+    for r in sample:
+        shape, fmap = detect_shape(r, fields)
+        if shape is not None:
+            key = (shape, tuple(sorted(fmap.items())))
+            votes[key] = votes.get(key, 0) + 1
+    if votes:
+        shape, fmap = max(votes, key=votes.get)  # dicts keep insertion order: ties go to the earliest
+        return shape, dict(fmap)
+    first = sample[0]
+    seen = sorted(first) if isinstance(first, dict) else [type(first).__name__]
+    raise BadFile(
+        path,
+        f"unrecognized row shape; fields seen: {seen}. Map them in the profile's source entry, e.g. "
+        f"`fields: {{prompt: {seen[0]!s}}}` for one text field, `fields: {{conversations: COL, role: KEY, "
+        f"content: KEY}}` for a chat, `fields: {{messages: COL}}`, `fields: {{turns: COL}}` or "
+        f"`fields: {{instruction: COL, input: COL}}` (SourceConfig.fields)"
+    )
 
 
 def benchmark_texts(path: str, batch_rows: int = 20_000) -> list[str]:
@@ -252,12 +346,18 @@ def make_drafts(src: SourceConfig, cfg: SelectConfig, source_file: str, start: i
                 d.error, d.filter = "row is a tool definition (BFCL multi_turn_func_doc), not a prompt", "not_a_prompt"
                 drafts.append(d)
                 continue
-            messages, tools, labels = normalize_row(row, shape, fmap, base_dir, cache)
+            messages, tools, labels = normalize_row(row, shape, fmap, base_dir, cache, cfg.infer_tool_schemas)
+            _check_encodable(messages, tools)
         except RowError as exc:
             d.error = f"{exc.field}: {exc.reason}"
             drafts.append(d)
             continue
+        except RecursionError:
+            d.error, d.raw = "row: nested deeper than Python's recursion limit", "(too deeply nested to show)"
+            drafts.append(d)
+            continue
         d.messages, d.tools = messages, tools
+        d.tools_inferred = bool(labels.get("tools_inferred"))
         d.text = message_text(messages)
         user_text = message_text(messages, roles=("user",))
         lang = normalize_language(labels.get("language")) or fixed_lang or identify_language(user_text)
@@ -272,3 +372,14 @@ def make_drafts(src: SourceConfig, cfg: SelectConfig, source_file: str, start: i
         d.prompt_id = prompt_id_of(messages, tools)
         drafts.append(d)
     return drafts
+
+
+def _check_encodable(messages: list[dict], tools) -> None:
+    """Raises RowError for a lone surrogate (a JSON `"\\ud800"` escape): such text has no UTF-8 form."""
+    for where, value in (("messages", messages), ("tools", tools)):
+        text = json.dumps(value, ensure_ascii=False)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise RowError(where, f"holds a lone surrogate U+{ord(text[exc.start]):04X} (a \\u escape with no "
+                                  f"pair): not encodable as UTF-8") from None

@@ -20,6 +20,8 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
+import shutil
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -34,7 +36,7 @@ from regen.select.batches import BatchRunner, configure, payload
 from regen.config.select import SelectConfig, SourceConfig
 from regen.errors import InputError
 from regen.rundir import RunDir
-from regen.select.sources import benchmark_texts, iter_raw_batches, shape_of, source_files
+from regen.select.sources import BadFile, benchmark_texts, iter_raw_batches, shape_of, source_files
 from schemas.io import write_parquet_atomic, write_rows_atomic
 from schemas.prompt import CATEGORIES, PROMPT_SCHEMA, SCHEMA_VERSION, canonical_json
 from schemas.rejected import REJECTED_SCHEMA, RejectedRecord
@@ -180,9 +182,55 @@ class RejectWriter:
 _payload = payload
 
 
-def _clear(directory: Path, pattern: str) -> None:
-    for p in directory.glob(pattern):
-        p.unlink()
+def _staging(final: Path) -> Path:
+    """An empty `.<name>.new` folder beside `final`, where the new output is written before the swap."""
+    tmp = final.parent / f".{final.name}.new"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def _swap_in(new: Path, final: Path) -> None:
+    """Replace `final` by the complete `new` folder: rename the old one aside, rename, then delete the old."""
+    old = final.parent / f".{final.name}.old"
+    if old.exists():
+        shutil.rmtree(old)
+    if final.exists():
+        os.replace(final, old)
+    os.replace(new, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _warn(message: str) -> None:
+    """A loud warning on stderr (also kept in the manifest's `warnings`)."""
+    from rich.console import Console
+
+    Console(stderr=True, soft_wrap=True).print(f"[bold red]WARNING[/] select: {message}", highlight=False)
+
+
+def starved_categories(report: dict, cfg: SelectConfig) -> list[str]:
+    """Warnings for categories of an explicit `cfg.mix` selected below `cfg.min_category_fill` x their target;
+    with `on_category_shortfall: fail`, raises InputError instead (before anything is written)."""
+    out = []
+    for c, m in report["mix"].items():
+        if cfg.mix.get(c, 0) > 0 and m["target"] > 0 and m["selected"] < cfg.min_category_fill * m["target"]:
+            out.append(f"category {c!r} got {m['selected']:,} of its {m['target']:,} prompts "
+                       f"({m['selected'] / m['target']:.0%} < min_category_fill {cfg.min_category_fill:.0%}; "
+                       f"{m['available']:,} available after filters): check the sources and their category_map")
+    if out and cfg.on_category_shortfall == "fail":
+        raise InputError("select: starved category quota (select.on_category_shortfall: fail): " + "; ".join(out)
+                         + ". Add prompts of that category, lower its share in select.mix, or set "
+                           "on_category_shortfall: warn")
+    return out
+
+
+def _check_bad_files(bad_files: dict[str, str], policy: str) -> None:
+    if bad_files and policy == "fail":
+        listed = "\n".join(f"  {f}: {why}" for f, why in sorted(bad_files.items()))
+        raise InputError(f"select: {len(bad_files)} source file(s) cannot be read:\n{listed}\nFix or remove them, "
+                         f"or pass --on-bad-file skip (select.on_bad_file) to select without them; nothing was "
+                         f"written, the previous selection is unchanged")
 
 
 def config_hash(cfg: SelectConfig, seed: int, extra: list[str], files: list[tuple[str, int, int]] = ()) -> str:
@@ -211,7 +259,10 @@ def _file_rows(path: str, kind: str) -> int | None:
     if kind == "parquet":
         import pyarrow.parquet as pq
 
-        return pq.ParquetFile(path).metadata.num_rows
+        try:
+            return pq.ParquetFile(path).metadata.num_rows
+        except (OSError, ValueError):  # a damaged file: reading it names it as a bad file
+            return None
     return None
 
 
@@ -235,12 +286,9 @@ def run_select(cfg: SelectConfig, run: RunDir, *, seed: int, extra_sources: list
     ):
         return old
     t0 = time.time()
-    run.prompts.mkdir(parents=True, exist_ok=True)
-    rej_dir = run.rejected(STAGE)
-    rej_dir.mkdir(parents=True, exist_ok=True)
-    (run.prompts / "manifest.json").unlink(missing_ok=True)
-    _clear(run.prompts, "part-*.parquet")
-    _clear(rej_dir, "part-*.parquet")
+    # The new selection is written beside the old one and swapped in only when complete (`_swap_in`): a run
+    # that fails on the way leaves the previous selection as it was.
+    out_dir, rej_dir = _staging(run.prompts), _staging(run.rejected(STAGE))
 
     index = None
     if "contamination" in cfg.filters and cfg.contamination_files:
@@ -257,21 +305,29 @@ def run_select(cfg: SelectConfig, run: RunDir, *, seed: int, extra_sources: list
     tables: list[pa.Table] = []
     sigs: list[np.ndarray] = []
     total_bytes = sum(_size(p) for _, p, _ in files)
+    bad_files: dict[str, str] = {}
 
     def jobs():
         """(progress step in bytes, job) for every batch of every file, reading in the main process."""
         for src, path, kind in files:
-            size, known, done = _size(path), _file_rows(path, kind), 0.0
-            if kind != "hf":  # an empty file is still accounted for (0 rows)
-                _acct(acct, path, src.name, None)
-            shape = fmap = None
-            for sfile, start, rows in iter_raw_batches(path, kind, cfg.batch_rows, src.fields, src.max_rows):
-                if shape is None:
-                    shape, fmap = shape_of(sfile, rows, src.fields)
-                _acct(acct, sfile, src.name, shape)
-                step = size * len(rows) / known if known else 0.0
-                done += step
-                yield step, (src, sfile, start, rows, shape, fmap)
+            size, done, num_batches = _size(path), 0.0, 0
+            try:
+                known = _file_rows(path, kind)
+                if kind != "hf":  # an empty file is still accounted for (0 rows)
+                    _acct(acct, path, src.name, None)
+                shape = fmap = None
+                for sfile, start, rows in iter_raw_batches(path, kind, cfg.batch_rows, src.fields, src.max_rows):
+                    if shape is None:
+                        shape, fmap = shape_of(sfile, rows, src.fields)
+                    _acct(acct, sfile, src.name, shape)
+                    step = size * len(rows) / known if known else 0.0
+                    done += step
+                    num_batches += 1
+                    yield step, (src, sfile, start, rows, shape, fmap)
+            except BadFile as exc:  # the file-level policy: every bad file is named, then fail or skip
+                bad_files[path] = exc.reason
+                if not num_batches:  # rows of a Parquet file read before its damage stay accounted for
+                    acct.pop(path, None)
             if size - done > 0:
                 yield size - done, None
 
@@ -300,6 +356,9 @@ def run_select(cfg: SelectConfig, run: RunDir, *, seed: int, extra_sources: list
         sigs.clear()
         bar.update(task, description="selecting")
         chosen, report = select_rows(pool, cfg, seed, keep)
+    _check_bad_files(bad_files, cfg.on_bad_file)
+    warnings = [f"source file skipped (on_bad_file: skip): {f}: {why}" for f, why in sorted(bad_files.items())]
+    warnings += starved_categories(report, cfg)
     selected = pool.take(pa.array(chosen, type=pa.int64())) if len(chosen) else PROMPT_SCHEMA.empty_table()
     sel_files = Counter(selected.column("source_file").to_pylist())
     pool_files = Counter(pool.filter(pa.array(keep)).column("source_file").to_pylist())
@@ -309,11 +368,17 @@ def run_select(cfg: SelectConfig, run: RunDir, *, seed: int, extra_sources: list
     rejects.flush()
     parts = []
     for k, s in enumerate(range(0, max(selected.num_rows, 1), cfg.rows_per_part)):
-        parts.append(write_parquet_atomic(selected.slice(s, cfg.rows_per_part), run.prompts / f"part-{k:05d}.parquet",
+        parts.append(write_parquet_atomic(selected.slice(s, cfg.rows_per_part), out_dir / f"part-{k:05d}.parquet",
                                           PROMPT_SCHEMA))
     manifest = _manifest(cfg, seed, extra, chash, selected, report, drops, acct, parts, rejects.parts, int(keep.sum()))
+    manifest.update(bad_files=bad_files, warnings=warnings,
+                    num_tools_inferred=int(pc.sum(selected.column("tools_inferred")).as_py() or 0))
     manifest["elapsed_s"] = round(time.time() - t0, 3)
-    run.write_manifest(run.prompts, manifest)
+    run.write_manifest(out_dir, manifest)
+    _swap_in(rej_dir, run.rejected(STAGE))
+    _swap_in(out_dir, run.prompts)
+    for w in warnings:
+        _warn(w)
     return manifest
 
 
@@ -479,6 +544,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_profile_arguments(parser)
     parser.add_argument("--source", action="append", default=[], metavar="PATH",
                         help="an extra prompt pool (file, directory or HF dataset dir); repeatable")
+    parser.add_argument("--on-bad-file", choices=("fail", "skip"), default=None,
+                        help="a source file that cannot be read: fail naming every bad file (default, "
+                             "select.on_bad_file) or skip it")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -486,7 +554,10 @@ def main(args) -> int:
     from regen.config import load_profile_from_args
 
     profile, run = load_profile_from_args(args)
-    manifest = run_select(profile.select, run, seed=profile.seed, extra_sources=args.source,
+    cfg = profile.select
+    if getattr(args, "on_bad_file", None):
+        cfg = cfg.model_copy(update={"on_bad_file": args.on_bad_file})
+    manifest = run_select(cfg, run, seed=profile.seed, extra_sources=args.source,
                           progress=not args.no_progress)
     print_mix(manifest)
     return 0
