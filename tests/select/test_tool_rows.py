@@ -127,3 +127,129 @@ def test_an_unknown_result_id_is_rejected():
                         {"role": "tool", "tool_call_id": "zzz", "content": "x"}], "tools": TOOLS}
     with pytest.raises(RowError, match="'zzz' matches none of the pending calls"):
         normalize_row(row, "messages", {"messages": "messages"})
+
+
+# ------------------------------------------------------------------ Kimi-K2 markers as text (issue 11, point 3)
+
+SB, SE = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+PROSE = "You are Kimi. You can call get_weather(city) to get the weather and get_time(city) for the local time."
+
+
+def _k2_call(cid, args):
+    return f"<|tool_call_begin|> {cid} <|tool_call_argument_begin|>{json.dumps(args)}<|tool_call_end|>"
+
+
+def _kimi_row(turns, system=PROSE):
+    return {"source": "continual_tool_kimi", "conversations": [{"from": "system", "value": system}] + turns}
+
+
+def _norm(row, infer=True):
+    return normalize_row(row, "conversations", {"conversations": "conversations"}, infer_tools=infer)
+
+
+def test_kimi_text_row_of_the_issue_becomes_structured_calls_with_inferred_tools():
+    row = _kimi_row([{"from": "human", "value": "Weather in Oslo?"},
+                     {"from": "gpt", "value": SB + _k2_call("functions.get_weather:0", {"city": "Oslo"}) + SE},
+                     {"from": "tool", "value": '## Return of functions.get_weather:0\n{"temp": 3}'},
+                     {"from": "gpt", "value": "It is 3 degrees."}])
+    msgs, tools, labels = _norm(row)
+    assert [m["role"] for m in msgs] == ["system", "user", "assistant", "tool"]
+    call = msgs[2]["tool_calls"][0]
+    assert call["id"] == "functions.get_weather:0" and call["function"] == {"name": "get_weather",
+                                                                            "arguments": '{"city": "Oslo"}'}
+    assert msgs[3] == {"role": "tool", "content": '{"temp": 3}', "tool_call_id": "functions.get_weather:0",
+                       "name": "get_weather"}
+    assert labels["tools_inferred"] is True
+    assert tools == [{"type": "function", "function": {
+        "name": "get_weather", "description": tools[0]["function"]["description"],
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+    with pytest.raises(RowError, match="declares no tools"):
+        _norm(row, infer=False)
+
+
+def test_kimi_text_several_calls_multi_turn_thinking_and_several_returns_in_one_turn():
+    row = _kimi_row([
+        {"from": "human", "value": "Weather and time in Oslo?"},
+        {"from": "gpt", "value": "<think>Two calls.</think>Checking." + SB + _k2_call("functions.get_weather:0", {"city": "Oslo"})
+                                 + _k2_call("functions.get_time:1", {"city": "Oslo", "utc": True}) + SE},
+        {"from": "tool", "value": "## Return of functions.get_time:1\n10:00\n## Return of functions.get_weather:0\nrain"},
+        {"from": "gpt", "value": "Rain at 10:00."}, {"from": "human", "value": "And in Rome?"},
+        {"from": "gpt", "value": SB + _k2_call("functions.get_weather:0", {"city": "Rome"}) + SE},  # index restarts
+        {"from": "tool", "value": "## Return of functions.get_weather:0\nsun"}, {"from": "human", "value": "Thanks"}])
+    msgs, tools, labels = _norm(row)
+    assert msgs[2]["reasoning_content"] == "Two calls." and msgs[2]["content"] == "Checking."
+    assert _links(msgs) == [("get_time", "10:00"), ("get_weather", "rain"), ("get_weather", "sun")]
+    assert len(set(_ids(msgs))) == 3 and all(i.startswith("functions.") for i in _ids(msgs))
+    assert {t["function"]["name"] for t in tools} == {"get_weather", "get_time"}
+    time_params = next(t for t in tools if t["function"]["name"] == "get_time")["function"]["parameters"]
+    assert time_params["properties"] == {"city": {"type": "string"}, "utc": {"type": "boolean"}}
+
+
+def test_kimi_text_declarations_as_json_in_the_system_text_are_used():
+    schemas = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                                 "parameters": {"type": "object", "properties": {
+                                                     "city": {"type": "string"}}, "required": ["city"]}}}]
+    system = ("<|im_system|>tool_declare<|im_middle|>" + json.dumps(schemas) + "<|im_end|> You are a helpful {agent}.")
+    row = _kimi_row([{"from": "human", "value": "Weather?"},
+                     {"from": "gpt", "value": SB + _k2_call("functions.get_weather:0", {"city": "Oslo"}) + SE},
+                     {"from": "tool", "value": "## Return of functions.get_weather:0\nsun"}], system=system)
+    msgs, tools, labels = _norm(row)
+    assert tools == schemas and "tools_inferred" not in labels
+    # bare function objects in prose also count
+    bare = "Functions: " + json.dumps({"name": "get_weather", "parameters": {"type": "object", "properties": {}}})
+    _, tools2, labels2 = _norm({**row, "conversations": [{"from": "system", "value": bare}] + row["conversations"][1:]})
+    assert tools2[0]["function"]["name"] == "get_weather" and "tools_inferred" not in labels2
+
+
+@pytest.mark.parametrize("value,reason", [
+    (SB + _k2_call("functions.f:0", {}), "section is not closed"),
+    (SB + SB + _k2_call("functions.f:0", {}) + SE, "do not balance: 2 section begin"),
+    (SB + "<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{}" + SE, "1 call begin(s), 1 argument begin(s), 0 call end(s)"),
+    (SB + _k2_call("functions.f", {}) + SE, "is not functions.NAME:INDEX"),
+    (SB + _k2_call("functions.f:x", {}) + SE, "is not functions.NAME:INDEX"),
+    (SB + "<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{oops<|tool_call_end|>" + SE, "not valid JSON"),
+    (SB + "<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>[1]<|tool_call_end|>" + SE, "not an object"),
+    (SB + _k2_call("functions.f:0", {}) + SE + " trailing words", "text follows the Kimi tool-call section"),
+    (SE + SB, "end comes before its begin"),
+    ("just <|tool_call_end|> stray", "do not balance"),
+])
+def test_malformed_kimi_markers_are_rejected_with_a_reason(value, reason):
+    row = _kimi_row([{"from": "human", "value": "q"}, {"from": "gpt", "value": value},
+                     {"from": "tool", "value": "## Return of functions.f:0\nx"}])
+    with pytest.raises(RowError) as err:
+        _norm(row)
+    assert reason in str(err.value)
+
+
+def test_kimi_return_for_an_unknown_call_is_rejected():
+    row = _kimi_row([{"from": "human", "value": "q"},
+                     {"from": "gpt", "value": SB + _k2_call("functions.get_weather:0", {}) + SE},
+                     {"from": "tool", "value": "## Return of functions.get_time:5\nx"}])
+    with pytest.raises(RowError, match="'functions.get_time:5' matches none of the pending calls"):
+        _norm(row)
+
+
+def test_kimi_tool_rows_fill_the_tool_use_quota_end_to_end(tmp_path):
+    """The kimi-k3 profile's share of tool_use prompts is filled from text-marker rows (was: zero, silently)."""
+    from regen.config.select import SelectConfig, SourceConfig
+    from regen.report.query import query
+    from regen.rundir import RunDir
+    from regen.select.stage import run_select
+
+    rows = []
+    for i, city in enumerate(("Oslo", "Lima", "Pune", "Kyiv", "Doha", "Riga")):
+        rows.append(_kimi_row([{"from": "human", "value": f"What is the weather like in {city} today, and why?"},
+                               {"from": "gpt", "value": SB + _k2_call("functions.get_weather:0", {"city": city}) + SE},
+                               {"from": "tool", "value": f"## Return of functions.get_weather:0\n{{\"temp\": {i}}}"},
+                               {"from": "gpt", "value": "Done."}]))
+        rows.append({"source": "chat", "conversations": [{"from": "human", "value": f"Tell me a story about {city}."}]})
+    (tmp_path / "kimi.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    src = SourceConfig(name="kimi-mtp", path=str(tmp_path / "kimi.jsonl"),
+                       category_map={"continual_tool_kimi": "tool_use", "chat": "general"})
+    run = RunDir.at(tmp_path / "run")
+    cfg = SelectConfig(sources=[src], total=10, mix={"general": 0.5, "tool_use": 0.5},
+                       filters=["empty", "control_chars", "tool_schema", "exact_dedup"])  # rows alike on purpose
+    m = run_select(cfg, run, seed=0, progress=False)
+    assert m["mix"]["tool_use"]["selected"] == 5 and m["warnings"] == [] and m["num_tools_inferred"] == 5
+    n = query(run.root, "SELECT count(*) FROM prompts WHERE tools_inferred AND category = 'tool_use'")[1][0][0]
+    assert n == 5
