@@ -127,3 +127,21 @@ def test_a_changed_response_policy_is_refused_on_resume(server, run_dir, change,
     run_generate(fast_config(policies={"truncated": "retry_larger"}), run_dir, endpoints=[server.base_url],
                  progress=False)
     assert len(server.server.log) == sent
+
+
+def test_the_flow_path_prepare_then_a_plain_run_reports_the_retry(server, run_dir):
+    """flows/regen_flow.py calls stage.prepare(retry_classes=...) and then the usual generate step."""
+    from regen.generate.stage import prepare
+
+    write_prompts(run_dir, conversations(12))
+    cfg = fast_config(retry={"max_attempts": 1})
+    control(server, faults={"503": 0.3}, seed=5)
+    run_generate(cfg, run_dir, endpoints=[server.base_url], progress=False)
+    n = error_counts(run_dir)["server_error"]
+    assert n > 0
+    control(server, faults={})
+    done = prepare(cfg, run_dir, retry_classes=[])
+    assert done["retry"]["error_rows"] == n and (run_dir.generations / "retry.json").exists()
+    manifest = run_generate(cfg, run_dir, endpoints=[server.base_url], progress=False)
+    assert manifest["last_retry"]["recovered"] == n and manifest["accounting"]["balanced"]
+    assert not error_counts(run_dir)
