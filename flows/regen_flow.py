@@ -1,7 +1,8 @@
 """The Prefect 3 flow `regen`: the main job's stages as tasks, each calling one stage entry with paths and its
 sub-config (the same step functions as `regen run`, `regen.pipeline`). No stage imports Prefect.
 
-    flow regen(profile="local", run_dir="runs/local", overrides={}, train=None)
+    flow regen(profile="local", run_dir="runs/local", overrides={}, train=None,
+               retry_errors=False, retry_classes=None, repair=False)
       select -> generate (inside the embedded target when serve.enabled) -> filter -> render -> train (optional)
       -> eval (when train.eval_prompts > 0)
 
@@ -13,6 +14,9 @@ API keys, or prompt text.
 
 Deployments (`flows/deploy.py`): `regen/local` and `regen/kimi-k3`; parameters are overridable per run, e.g.
 `prefect deployment run regen/local --param run_dir=runs/demo --param overrides='{"select.total": 48}'`.
+A rerun that re-sends failed units (`regen generate --retry-errors`): `--param retry_errors=true` (classes:
+`--param retry_classes='["server_error", "timeout"]'`, default the transient ones); `--param repair=true` is
+`regen generate --repair` (damaged generations parts).
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ from regen.config.render import RenderConfig
 from regen.config.select import SelectConfig
 from regen.config.serve import ServeConfig
 from regen.config.train import TrainConfig
+from regen.generate import stage
 from regen.rundir import RunDir
 
 TASK_OPTIONS = dict(cache_policy=NO_CACHE, persist_result=False, retries=0)
@@ -61,10 +66,20 @@ def select_task(select: SelectConfig, seed: int, run_dir: str) -> dict:
 
 
 @task(name="generate", **TASK_OPTIONS)
-def generate_task(generate: GenerateConfig, serve: ServeConfig, run_dir: str) -> dict:
+def generate_task(generate: GenerateConfig, serve: ServeConfig, run_dir: str, retry_classes: list[str] | None = None,
+                  repair: bool = False) -> dict:
     run = _run(run_dir)
     logger = get_run_logger()
-    pipeline.step_generate(generate, serve, run, progress=False, log=logger.info)
+    if repair or retry_classes is not None:  # the stage's own repair / retry, then the usual generate step
+        cfg = generate
+        if serve.enabled:  # the identity is checked with the served model id, as the generate step will
+            from regen.serve.server import EmbeddedTarget
+
+            cfg = generate.model_copy(update={"model": EmbeddedTarget(serve).model})
+        logger.info("generate: %s", stage.prepare(cfg, run, repair=repair, retry_classes=retry_classes))
+    manifest = pipeline.step_generate(generate, serve, run, progress=False, log=logger.info)
+    if manifest.get("last_retry"):
+        logger.info(stage.format_retry(manifest["last_retry"], tuple(manifest["last_retry"]["classes"])))
     counts = summary.stage_counts(run.root).get("generate", {})
     plain = {k: v for k, v in counts.items() if not isinstance(v, dict)}
     md = summary.dict_markdown(plain, "Generations: accounting and throughput")
@@ -123,18 +138,22 @@ def eval_task(train: TrainConfig, run_dir: str) -> dict:
 
 @flow(name="regen", log_prints=True, persist_result=False)
 def regen(profile: str = "local", run_dir: str = "runs/local", overrides: dict[str, Any] | None = None,
-          train: bool | None = None) -> dict:
+          train: bool | None = None, retry_errors: bool = False, retry_classes: list[str] | None = None,
+          repair: bool = False) -> dict:
     """Run a profile's stages on `run_dir` (relative to the repository root unless absolute).
 
     overrides: dotted profile keys -> values, as `--set` on the command line (e.g. {"select.total": 48}).
     train: force `train.enabled` on or off (None = the profile's).
+    retry_errors / retry_classes: as `regen generate --retry-errors --classes ...` (None: the transient classes).
+    repair: as `regen generate --repair`.
     """
     prof = load_profile(profile, dict(overrides or {}))
     if train is not None:
         prof = prof.model_copy(update={"train": prof.train.model_copy(update={"enabled": train})})
     render = pipeline.effective_render_config(prof.render, prof.serve)
     out = {"select": select_task(prof.select, prof.seed, run_dir)}
-    out["generate"] = generate_task(prof.generate, prof.serve, run_dir)
+    classes = (retry_classes or []) if retry_errors else None
+    out["generate"] = generate_task(prof.generate, prof.serve, run_dir, classes, repair)
     out["filter"] = filter_task(render, run_dir)
     out["render"] = render_task(render, run_dir)
     if prof.train.enabled:

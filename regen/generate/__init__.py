@@ -8,11 +8,12 @@ Modules, in reading order:
     conversation.py  where assistant turns are generated, each request's body and its content-hash key
     client.py        the transport: endpoint pool, timeouts, backoff with Retry-After, 429 cooldown
     checks.py        what a "200 OK" must be: completion parsing and failure classes
-    ledger.py        exactly-once storage: fsynced journal -> atomic Parquet parts -> ledger
+    ledger.py        exactly-once storage: fsynced journal -> atomic Parquet parts -> ledger; sha256 checks
+                     (`verify_parts`, `check_parts`), repair and supersede into quarantine/
     metrics.py       live progress, the metrics summary, per-minute throughput
     runner.py        one process's share: conversation workers over one client and one ledger
     ray_runner.py    the same run split across Ray actors (loopback unless given a cluster)
-    stage.py         the stage: resume checks, endpoints and key from the environment, accounting
+    stage.py         the stage: resume checks (request config, policies), --repair, --retry-errors, accounting
 
 Entry point: `regen.generate.stage.run_generate(cfg: GenerateConfig, run: RunDir)`; CLI `regen generate`.
 """

@@ -5,8 +5,11 @@ Two families of classes, each stored in `generations.error_class` (or `flags`):
 * transport classes, decided by exception type and HTTP status only (never by message text):
   `rate_limited` (429), `server_error` (5xx), `timeout`, `connection` (refused, reset, closed mid-body or
   mid-stream), `malformed` (a body or SSE event that is not the JSON the protocol defines) are transient and
-  retried with backoff; `bad_request` (400, 404, 405, 422, other 4xx) and `context_overflow` (413, or a 400
-  whose structured `error.code` is `context_length_exceeded`) are permanent and become error rows at once;
+  retried with backoff; `bad_request` (400, 404, 405, 422, other 4xx) and `context_overflow` are permanent
+  and become error rows at once. `context_overflow` is HTTP 413, or a 400/422 whose error object (OpenAI
+  `{"error": {...}}`, vLLM/SGLang `{"object": "error", ...}` with `code` 400 or "400") has the code
+  `context_length_exceeded` or a message about the context length (`OVERFLOW_MESSAGE`: the message is matched
+  only to separate overflow from other 400s, never to decide a status family);
   `auth` (401, 403) is fatal: no request can succeed, so the run stops with an InputError.
 * quality classes of a 200 OK (`QUALITY_CLASSES`, checked in this order): `empty_body`, `truncated`
   (finish_reason "length": thinking or answer cut by max_tokens), `empty_content` (no content and no tool
@@ -21,6 +24,7 @@ error.code); vLLM's `return_token_ids` (top-level `prompt_token_ids`, `choices[]
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
 TRANSIENT = ("rate_limited", "server_error", "timeout", "connection", "malformed")
@@ -60,11 +64,83 @@ class RequestFailure(Exception):
         return self.error_class in FATAL
 
 
-def classify_status(status: int, error_code: str | None = None) -> str:
-    """HTTP status (+ the structured `error.code` of the body, when any) -> error class.
+# Wordings of a context overflow in a 400's error message: vLLM ("This model's maximum context length is 32768
+# tokens. However, you requested 40000 tokens ..."), SGLang ("Requested token count exceeds the model's maximum
+# context length of ..." / "The input (40000 tokens) is longer than the model's context length (32768 tokens)"),
+# TGI ("Input validation error: `inputs` tokens + `max_new_tokens` must be <= 4096"), OpenAI ("... context length").
+OVERFLOW_MESSAGE = re.compile(
+    r"context[ _-]?(?:length|window|size)|maximum (?:model |input |sequence )?(?:length|len\b)|max_model_len"
+    r"|longer than the model|too many (?:input )?tokens|(?:prompt|input) is too long|tokens \+ `?max_new_tokens",
+    re.IGNORECASE)
+DETAIL_CHARS = 300  # the start of a server's error message kept in `error_detail`
+
+_SECRETS = [
+    (re.compile(r"(?i)\b(bearer|basic)\s+[A-Za-z0-9._~+/=-]+"), r"\1 [redacted]"),
+    (re.compile(r"\b(?:sk|pk|rk|hf|ghp|gho|xox[abp])[-_][A-Za-z0-9_-]{6,}"), "[redacted]"),
+    (re.compile(r"(?i)\b(api[_-]?key|access[_-]?token|token|secret|password|authorization)(\"?\s*[:=]\s*\"?)[^\s\"',&;]+"),
+     r"\1\2[redacted]"),
+    (re.compile(r"(?i)(https?://)[^/\s:@]+:[^/\s@]+@"), r"\1[redacted]@"),
+]
+
+
+def redact_secrets(text: str) -> str:
+    """`text` with bearer tokens, API keys (sk-..., hf_...), key=value secrets and URL credentials replaced by
+    `[redacted]`.
+
+    >>> redact_secrets("bad key Bearer sk-abc123def456 for api_key=xyz")
+    'bad key Bearer [redacted] for api_key=[redacted]'
+    """
+    for pattern, repl in _SECRETS:
+        text = pattern.sub(repl, text)
+    return text
+
+
+def error_detail(status: int | None, message: str | None) -> str:
+    """`error_detail` of a failed request: "HTTP <status>" plus the start of the server's message (one line,
+    at most DETAIL_CHARS characters, secrets redacted)."""
+    head = f"HTTP {status}" if status is not None else "error"
+    if not message:
+        return head
+    text = redact_secrets(" ".join(str(message).split()))
+    if len(text) > DETAIL_CHARS:
+        text = text[:DETAIL_CHARS] + "..."
+    return f"{head}: {text}"
+
+
+def error_object(body) -> dict | None:
+    """The error object of a parsed error body, whatever the server's shape: OpenAI `{"error": {...}}`,
+    vLLM/SGLang `{"object": "error", "message", "type", "code"}`, `{"error": "text"}`, FastAPI `{"detail": ...}`.
+    Returns a dict with at least `message` (str or None) and `code` (as sent: int, str or None), or None."""
+    if not isinstance(body, dict):
+        return None
+    err = body.get("error")
+    if isinstance(err, dict):
+        return {**err, "message": _str_or_none(err.get("message")), "code": err.get("code")}
+    if isinstance(err, str):
+        return {"message": err, "code": body.get("code")}
+    if body.get("object") == "error" or ("message" in body and ("code" in body or "type" in body)):
+        return {**body, "message": _str_or_none(body.get("message")), "code": body.get("code")}
+    if "detail" in body:
+        return {"message": _str_or_none(body["detail"]), "code": None}
+    return None
+
+
+def _str_or_none(value) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    return json.dumps(value, ensure_ascii=False)[:2 * DETAIL_CHARS]
+
+
+def classify_status(status: int, error_code: str | int | None = None, message: str | None = None) -> str:
+    """HTTP status (+ the structured `error.code` and `error.message` of the body, when any) -> error class.
+
+    The status decides the family; within 400/422 the code `context_length_exceeded` or a message matching
+    OVERFLOW_MESSAGE separates `context_overflow` from `bad_request`.
 
     >>> classify_status(429), classify_status(503), classify_status(400, "context_length_exceeded")
     ('rate_limited', 'server_error', 'context_overflow')
+    >>> classify_status(400, 400, "This model's maximum context length is 32768 tokens. However, you requested 40000")
+    'context_overflow'
     """
     if status == 429:
         return "rate_limited"
@@ -73,6 +149,8 @@ def classify_status(status: int, error_code: str | None = None) -> str:
     if status in (401, 403):
         return "auth"
     if status == 413 or error_code == "context_length_exceeded":
+        return "context_overflow"
+    if status in (400, 422) and message and OVERFLOW_MESSAGE.search(message):
         return "context_overflow"
     return "bad_request"
 

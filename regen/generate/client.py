@@ -30,7 +30,7 @@ from email.utils import parsedate_to_datetime
 
 import aiohttp
 
-from regen.generate.checks import Completion, RequestFailure, classify_status
+from regen.generate.checks import Completion, RequestFailure, classify_status, error_detail, error_object
 from regen.config.generate import HealthConfig, RetryConfig, TimeoutConfig
 
 try:
@@ -298,18 +298,26 @@ class ChatClient:
 
 
 async def _http_failure(resp: aiohttp.ClientResponse) -> RequestFailure:
-    """A non-200 response -> RequestFailure classified by status and the body's structured `error.code`."""
-    code = None
+    """A non-200 response -> RequestFailure classified by status and the body's error object (`checks.error_object`);
+    its detail keeps the start of the server's message (bounded, secrets redacted: `checks.error_detail`)."""
+    code = message = None
     try:
         raw = await resp.content.read(65536)
-        obj = _loads(raw) if raw else None
-        err = obj.get("error") if isinstance(obj, dict) else None
-        if isinstance(err, dict) and isinstance(err.get("code"), str):
-            code = err["code"]
-    except (ValueError, aiohttp.ClientError, OSError):
-        pass
+    except (aiohttp.ClientError, OSError):
+        raw = b""
+    try:
+        err = error_object(_loads(raw)) if raw else None
+    except ValueError:
+        err = None
+    if err is not None:
+        code, message = err.get("code"), err.get("message")
+        if isinstance(code, str) and code.isdigit():
+            code = int(code)
+    elif raw:  # not JSON (a proxy's HTML or text page): keep its start for humans, never classify by it
+        message = raw[:1024].decode("utf-8", "replace")
     retry_after = parse_retry_after(resp.headers.get("Retry-After"))
-    return RequestFailure(classify_status(resp.status, code), f"HTTP {resp.status}", resp.status, retry_after)
+    klass = classify_status(resp.status, code, message if err is not None else None)
+    return RequestFailure(klass, error_detail(resp.status, message), resp.status, retry_after)
 
 
 def _text(value) -> str | None:
@@ -374,7 +382,8 @@ def _parse_body(data: bytes) -> Completion:
     if not isinstance(obj, dict):
         raise RequestFailure("malformed", "response body is not a JSON object")
     if "error" in obj and not obj.get("choices"):
-        raise RequestFailure("server_error", "error object in a 200 response")
+        err = error_object(obj) or {}
+        raise RequestFailure("server_error", error_detail(200, f"error object in a 200 response: {err.get('message')}"))
     choices = obj.get("choices")
     if not choices:
         return Completion(empty_body=True, usage=obj.get("usage"))

@@ -89,8 +89,14 @@ class Runner:
         """Scan recorded rows and prompts: units total/done, and prompt ids cut mid-conversation."""
         index = ledger_mod.read_index(self.gen_dir, ["prompt_id", "turn"]).to_pydict()
         recorded: dict[str, int] = {}
-        for pid in index["prompt_id"]:
+        last: dict[str, int] = {}
+        for pid, t in zip(index["prompt_id"], index["turn"]):
             recorded[pid] = recorded.get(pid, 0) + 1
+            last[pid] = max(last.get(pid, -1), t)
+        for pid, n in recorded.items():
+            if last[pid] != n - 1:  # rows of later turns without an earlier one: a part was lost
+                raise InputError(f"generations/ holds turns of prompt {pid} after a missing earlier turn (a part was "
+                                 "deleted or lost): run `regen generate --repair` to re-request the lost turns")
         partial = set()
         for p in iter_prompts(self.files, self.shard):
             n = len(turn_positions(p["messages"]))

@@ -1,12 +1,24 @@
 """`regen generate`: regenerate every prompt with the target over OpenAI-compatible HTTP into generations/.
 
     regen generate --profile P --run DIR [--endpoint URL ...] [--max-in-flight N] [--ray ADDRESS|auto|local]
+                   [--repair] [--retry-errors [--classes server_error,timeout,...]]
 
 Reads `prompts/part-*.parquet`, writes `generations/` (see `regen.generate.ledger` for the layout and the exactly-once
 rules): one GENERATION_SCHEMA row per (prompt_id, turn) unit (`regen.generate.conversation` defines units, history and
 keys), with status ok | error | skipped. Failures are rows: transport classes are retried with jittered
 backoff, quality classes follow the profile's policies (`regen.generate.checks`); only a fatal class (`auth`) stops
 the run. The same command resumes after a crash: recorded units are never requested again.
+
+Identity checked on resume (`generations/request_config.json`): the request config (model, sampling, extra
+body: changes every request key) and the acceptance rules (`generate.policies.*` with defaults filled in, and
+`generate.think_markers`: they decide which answers became rows). A change in either is refused with the fields
+that changed; rows accepted under other rules are never mixed in.
+
+Damaged parts (`regen.generate.ledger.verify_parts`: sha256, size, footer, rows against the ledger) stop the run
+with an InputError naming each file; `--repair` quarantines them and re-requests exactly their rows.
+`--retry-errors` re-sends the error rows of the chosen classes (default: the transient ones, TRANSIENT) and the
+later turns skipped after them: those rows move to `generations/quarantine/` (listed in the ledger, visible in
+`regen query` as `superseded`), the units are requested again, and the manifest's `retries` says what came back.
 
 The run ends with the accounting `generated + error rows + skipped == units` (units = sum over prompts of
 their turn positions), printed and stored in `generations/manifest.json` with a metrics summary; the
@@ -25,7 +37,8 @@ from pathlib import Path
 
 from regen.generate import ledger as ledger_mod
 from regen.generate.client import redact_url
-from regen.config.generate import GenerateConfig
+from regen.config.generate import DEFAULT_POLICIES, GenerateConfig
+from regen.generate.checks import PERMANENT, QUALITY_CLASSES, TRANSIENT
 from regen.generate.conversation import (request_config, turn_positions)
 from regen.errors import InputError
 from regen.generate.metrics import merge_summaries, write_throughput
@@ -111,31 +124,140 @@ def accounting(gen_dir: Path, files: list[Path]) -> dict:
     }
 
 
+def acceptance(cfg: GenerateConfig) -> dict:
+    """The rules that decide which answers become rows: every quality class's policy (defaults filled in) and the
+    think markers. Part of the identity checked on resume."""
+    return {"policies": {k: cfg.policy(k) for k in sorted(DEFAULT_POLICIES)}, "think_markers": list(cfg.think_markers)}
+
+
+def check_identity(cfg: GenerateConfig, gen_dir: Path) -> dict | None:
+    """The stamp of `gen_dir` (None for a new directory). Raises InputError when the request config or the
+    acceptance rules differ from the stamp's, naming what changed and what to do."""
+    stamp = read_json(gen_dir / "request_config.json")
+    chash = config_hash(cfg)
+    if stamp and stamp.get("config_hash") != chash:
+        raise InputError(f"{gen_dir} was generated with another request config ({stamp.get('config_hash')} != {chash}: "
+                         "model, sampling or extra_body changed); use a new --run directory or remove generations/")
+    if stamp and stamp.get("acceptance") is not None:
+        was, now = stamp["acceptance"], acceptance(cfg)
+        changed = [f"generate.policies.{k}: {was['policies'].get(k)} -> {v}"
+                   for k, v in now["policies"].items() if was["policies"].get(k) != v]
+        restore = [f"--set generate.policies.{k}={was['policies'][k]}"
+                   for k, v in now["policies"].items() if was["policies"].get(k) not in (v, None)]
+        if was.get("think_markers") != now["think_markers"]:
+            changed.append(f"generate.think_markers: {was.get('think_markers')} -> {now['think_markers']}")
+            restore.append("generate.think_markers as before")
+        if changed:
+            raise InputError(f"{gen_dir} was generated under other response policies ({'; '.join(changed)}): its rows "
+                             "were accepted or rejected under the recorded ones and would be mixed with rows judged "
+                             f"by the new ones. Restore the recorded values ({' '.join(restore)}), or use a new --run "
+                             "directory (or remove generations/) to apply the new policies")
+    return stamp
+
+
+def parse_retry_classes(text: str | list[str] | None) -> tuple[str, ...]:
+    """`--classes` (comma list or list) -> error classes; None/empty -> the transient ones (TRANSIENT).
+
+    Raises InputError for a class that no error row can have (the allowed ones are listed)."""
+    if not text:
+        return TRANSIENT
+    items = [c.strip() for c in (text.split(",") if isinstance(text, str) else text) if c.strip()]
+    allowed = TRANSIENT + PERMANENT + QUALITY_CLASSES
+    bad = [c for c in items if c not in allowed]
+    if bad:
+        raise InputError(f"--classes: unknown error class(es) {bad}; allowed: {', '.join(allowed)} "
+                         f"(default: {','.join(TRANSIENT)})")
+    return tuple(dict.fromkeys(items))
+
+
+def _prepare_retry(gen_dir: Path, classes: tuple[str, ...]) -> dict:
+    """Supersede the error rows of `classes` and every later turn of their prompts (see module doc); record the
+    units in `generations/retry.json` until the run that re-requests them completes."""
+    idx = ledger_mod.read_index(gen_dir, ["request_key", "prompt_id", "turn", "status", "error_class"]).to_pydict()
+    rows = list(zip(idx["request_key"], idx["prompt_id"], idx["turn"], idx["status"], idx["error_class"]))
+    first: dict[str, int] = {}
+    for _, pid, turn, status, klass in rows:
+        if status == "error" and klass in classes:
+            first[pid] = min(first.get(pid, turn), turn)
+    units = [(key, pid, turn, status, klass) for key, pid, turn, status, klass in rows
+             if pid in first and turn >= first[pid]]
+    pending = read_json(gen_dir / "retry.json") or {"classes": [], "units": []}
+    if units:
+        pending["classes"] = sorted(set(pending["classes"]) | set(classes))
+        pending["units"] += [[pid, turn, status, klass] for _, pid, turn, status, klass in units]
+        write_json_atomic(pending, gen_dir / "retry.json")
+        ledger_mod.supersede(gen_dir, {u[0] for u in units}, "retry_errors")
+    return {"classes": list(classes), "error_rows": sum(u[3] == "error" for u in units),
+            "later_turns": sum(u[3] != "error" for u in units)}
+
+
+def _retry_report(gen_dir: Path) -> dict | None:
+    """What a pending retry (`retry.json`) got back: per re-sent unit its new status, by its old class."""
+    pending = read_json(gen_dir / "retry.json")
+    if not pending:
+        return None
+    idx = ledger_mod.read_index(gen_dir, ["prompt_id", "turn", "status", "error_class"]).to_pydict()
+    now = {(p, t): (s, k) for p, t, s, k in zip(idx["prompt_id"], idx["turn"], idx["status"], idx["error_class"])}
+    report = {"classes": pending["classes"], "units_resent": len(pending["units"]), "error_rows_resent": 0,
+              "recovered": 0, "still_error": {}, "now": {"ok": 0, "error": 0, "skipped": 0}}
+    for pid, turn, old_status, _ in pending["units"]:
+        status, klass = now.get((pid, turn), ("missing", None))
+        report["now"][status] = report["now"].get(status, 0) + 1
+        if old_status == "error":
+            report["error_rows_resent"] += 1
+            report["recovered"] += status == "ok"
+            if status == "error":
+                report["still_error"][klass] = report["still_error"].get(klass, 0) + 1
+    return report
+
+
+def prepare(cfg: GenerateConfig, run: RunDir, *, repair: bool = False,
+            retry_classes: tuple[str, ...] | list[str] | str | None = None) -> dict:
+    """Before a generate run (flows call this, then the usual generate step): recover the directory, with
+    `repair` quarantine damaged parts, with `retry_classes` supersede those error rows. Returns what it did."""
+    run.generations.mkdir(parents=True, exist_ok=True)
+    check_identity(cfg, run.generations)
+    with _run_lock(run.generations):
+        return _prepare_locked(run.generations, repair, retry_classes)
+
+
+def _prepare_locked(gen_dir: Path, repair: bool, retry_classes) -> dict:
+    out = {"recovered": ledger_mod.recover(gen_dir, repair=repair)}
+    if retry_classes is not None:
+        out["retry"] = _prepare_retry(gen_dir, parse_retry_classes(retry_classes))
+    return out
+
+
 def run_generate(cfg: GenerateConfig, run: RunDir, *, endpoints: list[str] | None = None,
-                 ray_address: str | None = None, progress: bool = True) -> dict:
+                 ray_address: str | None = None, progress: bool = True, repair: bool = False,
+                 retry_classes: tuple[str, ...] | list[str] | str | None = None) -> dict:
     """Regenerate every prompt of `run` into run.generations; returns the generations manifest.
 
     Resumable: recorded units are not requested again; a complete run with the same request config
-    returns its manifest at once. Raises InputError for missing prompts/endpoints/API key, a directory
-    produced with a different request config, or a fatal endpoint error (401/403).
+    returns its manifest at once (after checking every part's sha256). `repair`: quarantine damaged parts and
+    re-request their rows; `retry_classes` (a comma list, list, or "" for the transient ones): re-send those
+    error rows (module doc). Raises InputError for missing prompts/endpoints/API key, a directory produced with
+    another request config or other response policies, damaged parts without `repair`, or a fatal endpoint error
+    (401/403).
     """
     gen_dir = run.generations
     files = prompt_files(run)
     chash = config_hash(cfg)
     gen_dir.mkdir(parents=True, exist_ok=True)
-    stamp = read_json(gen_dir / "request_config.json")
-    if stamp and stamp.get("config_hash") != chash:
-        raise InputError(f"{gen_dir} was generated with another request config ({stamp.get('config_hash')} != {chash}: "
-                         "model, sampling or extra_body changed); use a new --run directory or remove generations/")
+    stamp = check_identity(cfg, gen_dir)
     old = run.manifest(gen_dir)
-    if old and old.get("complete") and old.get("config_hash") == chash and not list(gen_dir.glob("journal-*.jsonl")):
+    asked = repair or retry_classes is not None
+    if (not asked and old and old.get("complete") and old.get("config_hash") == chash
+            and not list(gen_dir.glob("journal-*.jsonl")) and not (gen_dir / "retry.json").exists()):
+        ledger_mod.check_parts(gen_dir, run.root)
         acc = accounting(gen_dir, files)
         if acc["balanced"] and acc["rows"] == old["accounting"]["rows"]:
             return old
     urls = resolve_endpoints(cfg, endpoints)
     api_key = api_key_from_env(cfg)
     with _run_lock(gen_dir):
-        return _generate_locked(cfg, run, files, urls, api_key, chash, stamp, old, ray_address, progress)
+        prepared = _prepare_locked(gen_dir, repair, retry_classes)
+        return _generate_locked(cfg, run, files, urls, api_key, chash, stamp, old, ray_address, progress, prepared)
 
 
 @contextlib.contextmanager
@@ -151,11 +273,12 @@ def _run_lock(gen_dir: Path):
         yield
 
 
-def _generate_locked(cfg, run, files, urls, api_key, chash, stamp, old, ray_address, progress) -> dict:
+def _generate_locked(cfg, run, files, urls, api_key, chash, stamp, old, ray_address, progress, prepared) -> dict:
     gen_dir = run.generations
-    if not stamp:
-        write_json_atomic({"config_hash": chash, "request_config": request_config(cfg)}, gen_dir / "request_config.json")
-    repaired = ledger_mod.recover(gen_dir)
+    if not stamp or stamp.get("acceptance") is None:  # (a stamp from before the policies were part of it: adopt)
+        write_json_atomic({"config_hash": chash, "request_config": request_config(cfg), "acceptance": acceptance(cfg)},
+                          gen_dir / "request_config.json")
+    repaired = prepared["recovered"]
     t0 = time.time()
     if ray_address:
         from regen.generate.ray_runner import run_on_ray  # Ray only when asked for
@@ -174,8 +297,16 @@ def _generate_locked(cfg, run, files, urls, api_key, chash, stamp, old, ray_addr
         "metrics": merge_summaries(summaries), "throughput_table": "throughput.parquet",
         "session_wall_s": round(time.time() - t0, 3),
         "sessions": ((old or {}).get("sessions") or []) + [{"started": t0, "wall_s": round(time.time() - t0, 3)}],
+        "retries": (old or {}).get("retries") or [],
     }
+    retry = _retry_report(gen_dir)
+    if retry is not None:
+        manifest["retry_pending" if not acc["balanced"] else "last_retry"] = retry
+        if acc["balanced"]:
+            manifest["retries"] = manifest["retries"] + [retry]
     run.write_manifest(gen_dir, manifest)
+    if retry is not None and acc["balanced"]:
+        (gen_dir / "retry.json").unlink()
     return manifest
 
 
@@ -184,6 +315,15 @@ def format_accounting(acc: dict) -> str:
     extra = "" if acc["balanced"] else f" (missing {acc['missing']}, duplicates {acc['duplicates']}, stray {acc['stray']})"
     return (f"generated {acc['generated']} + error {acc['error']} + skipped {acc['skipped']} {sign} "
             f"{acc['units']} (prompt, turn) units of {acc['prompts']} prompts{extra}")
+
+
+def format_retry(report: dict | None, classes: tuple[str, ...]) -> str:
+    if not report:
+        return f"retry-errors: no error rows of classes {','.join(classes)}; nothing re-sent"
+    still = ", ".join(f"{k}={v}" for k, v in sorted(report["still_error"].items())) or "none"
+    return (f"retry-errors ({','.join(report['classes'])}): re-sent {report['error_rows_resent']} error rows and "
+            f"{report['units_resent'] - report['error_rows_resent']} later turns; recovered "
+            f"{report['recovered']}/{report['error_rows_resent']}; still error: {still}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -196,6 +336,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ray", default=None, metavar="ADDRESS|auto|local",
                         help="split the work across Ray actors (auto: the running cluster, else a loopback one)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--repair", action="store_true",
+                        help="move damaged generations parts to generations/quarantine/ and re-request exactly their rows")
+    parser.add_argument("--retry-errors", action="store_true",
+                        help="re-send the error rows of --classes and the later turns skipped after them")
+    parser.add_argument("--classes", default=None, metavar="CLASS,...",
+                        help=f"with --retry-errors: error classes to re-send (default: {','.join(TRANSIENT)}; "
+                             "bad_request and context_overflow only when named)")
 
 
 def main(args) -> int:
@@ -205,7 +352,17 @@ def main(args) -> int:
     cfg = profile.generate
     if args.max_in_flight is not None:
         cfg = cfg.model_copy(update={"max_in_flight": args.max_in_flight})
-    manifest = run_generate(cfg, run, endpoints=args.endpoint, ray_address=args.ray, progress=not args.no_progress)
+    if args.classes and not args.retry_errors:
+        raise InputError("--classes needs --retry-errors (it names the error classes to re-send)")
+    retry = (args.classes or "") if args.retry_errors else None
+    manifest = run_generate(cfg, run, endpoints=args.endpoint, ray_address=args.ray, progress=not args.no_progress,
+                            repair=args.repair, retry_classes=retry)
+    rep = (manifest.get("recovered") or {}).get("repair")
+    if rep:
+        print(f"repaired: quarantined {', '.join(rep['parts_quarantined'])} ({rep['rows_lost']} rows lost, "
+              f"{rep['dependent_rows_superseded']} later-turn rows superseded); their units were requested again")
+    if args.retry_errors:
+        print(format_retry(manifest.get("last_retry") or manifest.get("retry_pending"), parse_retry_classes(retry)))
     print(format_accounting(manifest["accounting"]))
     errs = manifest["metrics"].get("error_rows_by_class") or {}
     if errs:

@@ -1,11 +1,15 @@
 """`regen query`: DuckDB SQL over the views of a run directory.
 
-Views (each created only when its files exist):
+Views (every one always exists: with no files it is empty, with the same columns):
   prompts      prompts/part-*.parquet        prompt_id, category, language, source, num_turns, ...
   rejected     rejected/*/part-*.parquet     stage, filter, reason, source, prompt_id, ...
-  generations  generations/part-*.parquet    prompt_id, turn, status, error_class, finish_reason, tokens, latency_s
+  generations  generations/ parts listed in its ledger (sha256-checked; `regen.generate.ledger.check_parts`):
+               prompt_id, turn, status, error_class, finish_reason, tokens, latency_s (no token ids)
+  superseded   generations/quarantine/*.parquet: rows taken out by `--retry-errors` or `--repair` (audit)
   samples      shards/shard-*.parquet        sample_id, prompt_id, category, num_tokens, num_loss_tokens (no ids)
-  shards       shards/manifest.json          one row per shard: path, rows, tokens, sha256
+  shards       shards/manifest.json          one row per shard: path, rows, tokens, loss_tokens, bytes, sha256
+
+A damaged generations part (missing, truncated, bytes changed) raises InputError naming the file.
 
 The same statements are written to `<run>/views.sql`, so `duckdb -c ".read runs/x/views.sql"` gives the
 same views in the DuckDB shell.
@@ -18,17 +22,22 @@ import sys
 from pathlib import Path
 
 import duckdb
+import pyarrow as pa
 
 from regen.errors import InputError
+from regen.generate import ledger
+from schemas.generation import GENERATION_SCHEMA
+from schemas.prompt import PROMPT_SCHEMA
+from schemas.rejected import REJECTED_SCHEMA
+from schemas.shard import SHARD_SCHEMA
 
+_GEN_SELECT = "SELECT * EXCLUDE (prompt_token_ids, completion_token_ids) FROM read_parquet({files}, union_by_name=true)"
 # view -> (glob relative to the run, SELECT over read_parquet(...) or read_json(...)); a literal registry.
 VIEWS: dict[str, tuple[str, str]] = {
     "prompts": ("prompts/part-*.parquet", "SELECT * FROM read_parquet({files}, union_by_name=true)"),
     "rejected": ("rejected/*/part-*.parquet", "SELECT * FROM read_parquet({files}, union_by_name=true)"),
-    "generations": (
-        "generations/part-*.parquet",
-        "SELECT * EXCLUDE (prompt_token_ids, completion_token_ids) FROM read_parquet({files}, union_by_name=true)",
-    ),
+    "generations": ("generations/part-*.parquet", _GEN_SELECT),
+    "superseded": ("generations/quarantine/*.parquet", _GEN_SELECT),
     "samples": (
         "shards/shard-*.parquet",
         "SELECT * EXCLUDE (input_ids, loss_spans) FROM read_parquet({files}, union_by_name=true)",
@@ -38,17 +47,46 @@ VIEWS: dict[str, tuple[str, str]] = {
         "SELECT unnest(shards, recursive := true) FROM read_json({files}, maximum_object_size=1000000000)",
     ),
 }
+SHARD_ENTRY_SCHEMA = pa.schema([("path", pa.string()), ("rows", pa.int64()), ("tokens", pa.int64()),
+                                ("loss_tokens", pa.int64()), ("bytes", pa.int64()), ("sha256", pa.string())])
+# view -> the columns it has when it has no files (the Arrow schema its files are written with, minus EXCLUDEs)
+EMPTY: dict[str, pa.Schema] = {
+    "prompts": PROMPT_SCHEMA, "rejected": REJECTED_SCHEMA,
+    "generations": GENERATION_SCHEMA, "superseded": GENERATION_SCHEMA,
+    "samples": SHARD_SCHEMA, "shards": SHARD_ENTRY_SCHEMA,
+}
+_EXCLUDED = {"prompt_token_ids", "completion_token_ids", "input_ids", "loss_spans"}
+
+
+def _empty_select(schema: pa.Schema) -> str:
+    """A SELECT of no rows with the columns (names and DuckDB types) of `schema`, minus the excluded id columns."""
+    rel = duckdb.connect().from_arrow(schema.empty_table())
+    cols = [f'CAST(NULL AS {t}) AS "{c}"' for c, t in zip(rel.columns, rel.types) if c not in _EXCLUDED]
+    return f"SELECT {', '.join(cols)} WHERE false"
+
+
+def _files(run_root: Path, name: str, pattern: str) -> list[str]:
+    gen_dir = run_root / "generations"
+    if name == "generations" and any(gen_dir.glob("ledger-*.jsonl")):
+        ledger.check_parts(gen_dir, run_root)  # the ledger, not the directory listing, says what is live
+        return [str(gen_dir / p) for p in sorted(ledger.listed_parts(gen_dir))]
+    return sorted(str(p) for p in run_root.glob(pattern))
 
 
 def view_statements(run_root: Path) -> list[str]:
-    """CREATE VIEW statements for the views whose files exist under `run_root` (absolute paths)."""
+    """CREATE VIEW statements for every view of `run_root` (absolute paths; an empty view where no file exists).
+
+    Raises InputError naming every damaged generations part.
+    """
     statements = []
     for name, (pattern, select) in VIEWS.items():
-        files = sorted(str(p) for p in run_root.glob(pattern))
-        if not files:
-            continue
-        literal = "[" + ", ".join("'" + f.replace("'", "''") + "'" for f in files) + "]"
-        statements.append(f"CREATE OR REPLACE VIEW {name} AS {select.format(files=literal)};")
+        files = _files(run_root, name, pattern)
+        if files:
+            literal = "[" + ", ".join("'" + f.replace("'", "''") + "'" for f in files) + "]"
+            body = select.format(files=literal)
+        else:
+            body = _empty_select(EMPTY[name])
+        statements.append(f"CREATE OR REPLACE VIEW {name} AS {body};")
     return statements
 
 

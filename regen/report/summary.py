@@ -21,7 +21,9 @@ Table = tuple[list[str], list[tuple]]
 
 
 def views(con) -> set[str]:
-    return {r[0] for r in con.execute("SELECT view_name FROM duckdb_views() WHERE NOT internal").fetchall()}
+    """The views that hold rows (`regen query` defines every view, empty where its files do not exist)."""
+    names = [r[0] for r in con.execute("SELECT view_name FROM duckdb_views() WHERE NOT internal").fetchall()]
+    return {v for v in names if con.execute(f"SELECT 1 FROM {v} LIMIT 1").fetchone()}
 
 
 def columns_of(con, view: str) -> set[str]:

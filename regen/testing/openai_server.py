@@ -16,7 +16,10 @@ prints `listening on http://HOST:PORT/v1` once ready. Endpoints:
 
 Faults (`Settings.faults`: kind -> probability per request, drawn with a seeded RNG; or forced for one request
 by the header `X-Fault: kind`, or by `[[fault:kind]]` in the last user message, every attempt):
-429 (with Retry-After), 500, 503, 400, overflow (400 + error.code context_length_exceeded), 401, stall (no
+429 (with Retry-After), 500, 503, 400, 401, the context overflows of ERROR_FAULTS (overflow: OpenAI's 400 +
+error.code context_length_exceeded; overflow_vllm, overflow_vllm_legacy, overflow_sglang, overflow_sglang_input:
+400 with the servers' own error shapes and wordings, code 400 or "400"; overflow_413: 413 with a text body;
+400_vllm: a vLLM-shaped 400 that is not an overflow; `Settings.error_message` replaces the message), stall (no
 answer for stall_s), stall_stream (some chunks, then silence), close (connection closed mid-body or
 mid-stream), malformed (body / SSE event not JSON), empty (200 with empty body / stream with only [DONE]),
 empty_content, truncated (finish_reason length, reasoning only), leak (<think>..</think> in content),
@@ -49,7 +52,36 @@ except ImportError:  # pragma: no cover
 
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
          "quebec romeo sierra tango uniform victor whiskey xray yankee zulu one two three four five six").split()
-FAULT_KINDS = ("429", "500", "503", "400", "overflow", "401", "stall", "stall_stream", "close", "malformed", "empty",
+VLLM_OVERFLOW = ("This model's maximum context length is 32768 tokens. However, you requested 40000 tokens "
+                 "(39000 in the messages, 1000 in the completion). Please reduce the length of the messages or completion.")
+SGLANG_OVERFLOW = ("Requested token count exceeds the model's maximum context length of 32768 tokens. You requested a "
+                   "total of 40000 tokens: 39000 tokens from the input messages and 1000 tokens for the completion.")
+# error fault -> (HTTP status, body builder(message override or None) -> JSON object or bytes)
+ERROR_FAULTS = {
+    "429": (429, lambda m: {"error": {"message": m or "injected 429", "code": None}}),
+    "500": (500, lambda m: {"error": {"message": m or "injected 500", "code": None}}),
+    "503": (503, lambda m: {"error": {"message": m or "injected 503", "code": None}}),
+    "401": (401, lambda m: {"error": {"message": m or "injected 401", "code": None}}),
+    "400": (400, lambda m: {"error": {"message": m or "injected 400", "code": None}}),
+    "overflow": (400, lambda m: {"error": {"message": m or "This model's maximum context length is 32768 tokens. However, "
+                                           "your messages resulted in 40000 tokens.", "type": "invalid_request_error",
+                                           "param": "messages", "code": "context_length_exceeded"}}),
+    "overflow_vllm": (400, lambda m: {"error": {"message": m or VLLM_OVERFLOW, "type": "BadRequestError",
+                                                "param": None, "code": 400}}),
+    "overflow_vllm_legacy": (400, lambda m: {"object": "error", "message": m or VLLM_OVERFLOW,
+                                             "type": "BadRequestError", "param": None, "code": 400}),
+    "overflow_sglang": (400, lambda m: {"object": "error", "message": m or SGLANG_OVERFLOW,
+                                        "type": "BadRequestError", "param": None, "code": "400"}),
+    "overflow_sglang_input": (400, lambda m: {"object": "error", "message": m or "The input (40000 tokens) is longer "
+                                              "than the model's context length (32768 tokens).",
+                                              "type": "BadRequestError", "param": None, "code": 400}),
+    "overflow_413": (413, lambda m: (m or "<html><body><h1>413 Request Entity Too Large</h1></body></html>").encode()),
+    "400_vllm": (400, lambda m: {"error": {"message": m or "temperature must be non-negative, got -1.0.",
+                                           "type": "BadRequestError", "param": None, "code": 400}}),
+    "unknown_field": (400, lambda m: {"error": {"message": m or "unknown field", "code": "invalid_request"}}),
+}
+FAULT_KINDS = ("429", "500", "503", "400", "overflow", "overflow_vllm", "overflow_vllm_legacy", "overflow_sglang",
+               "overflow_sglang_input", "overflow_413", "400_vllm", "401", "stall", "stall_stream", "close", "malformed", "empty",
                "empty_content", "truncated", "leak", "unbalanced", "bad_tool_json")
 KNOWN_FIELDS = {"model", "messages", "tools", "tool_choice", "temperature", "top_p", "max_tokens", "stream",
                 "stream_options", "n", "stop", "presence_penalty", "frequency_penalty", "user"}
@@ -76,6 +108,7 @@ class Settings:
     max_log: int = 1_000_000
     log: bool = True  # False: keep no request log (benchmarks)
     fixed: bool = False  # every request gets the same pre-encoded answer (benchmarks: the cheapest server)
+    error_message: str | None = None  # replaces the message of injected HTTP errors (ERROR_FAULTS)
 
 
 class FakeOpenAI:
@@ -216,15 +249,17 @@ class FakeOpenAI:
             if unknown:
                 fault = "unknown_field"
         entry["fault"] = fault
-        status = {"429": 429, "500": 500, "503": 503, "400": 400, "overflow": 400, "401": 401, "unknown_field": 400}.get(fault)
+        status = ERROR_FAULTS[fault][0] if fault in ERROR_FAULTS else None
         entry["status"] = status or 200
         self._log(entry, body)
         if s.delay_s:
             await asyncio.sleep(s.delay_s)
         if status:
             headers = {"Retry-After": s.retry_after} if status == 429 else None
-            code = {"overflow": "context_length_exceeded", "unknown_field": "invalid_request"}.get(fault)
-            return web.json_response({"error": {"message": f"injected {fault}", "code": code}}, status=status, headers=headers)
+            err = ERROR_FAULTS[fault][1](s.error_message)
+            if isinstance(err, bytes):
+                return web.Response(status=status, body=err, content_type="text/html", headers=headers)
+            return web.json_response(err, status=status, headers=headers)
         if fault == "stall":
             await asyncio.sleep(s.stall_s)
         ans = self.answer(body)

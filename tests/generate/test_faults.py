@@ -278,3 +278,34 @@ def test_a_storm_of_429s_cools_down_instead_of_hammering(server, run_dir):
     assert len(storm) == 48 and m["metrics"]["endpoints"][0]["rate_limited"] == 48
     t = storm[0]["t"]
     assert sum(t < e["t"] < t + 0.24 for e in log) <= 32  # only what was already in flight
+
+
+OVERFLOW_KINDS = {"overflow": "context_overflow", "overflow_vllm": "context_overflow",
+                  "overflow_vllm_legacy": "context_overflow", "overflow_sglang": "context_overflow",
+                  "overflow_sglang_input": "context_overflow", "overflow_413": "context_overflow",
+                  "400_vllm": "bad_request", "400": "bad_request"}
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_context_overflow_in_each_servers_wording_is_its_own_class_with_the_message_kept(server, run_dir, stream):
+    kinds = list(OVERFLOW_KINDS)
+    records = write_prompts(run_dir, [([{"role": "user", "content": f"q [[fault:{k}]]"}], None) for k in kinds])
+    run_generate(fast_config(stream=stream), run_dir, endpoints=[server.base_url], progress=False)
+    by_prompt = {r["prompt_id"]: r for r in rows_of(run_dir)}
+    for kind, rec in zip(kinds, records):
+        row = by_prompt[rec.prompt_id]
+        assert (row["status"], row["error_class"], row["attempts"]) == ("error", OVERFLOW_KINDS[kind], 1), kind
+        assert row["error_detail"].startswith("HTTP 413: <html>" if kind == "overflow_413" else "HTTP 400: "), kind
+    detail = by_prompt[records[kinds.index("overflow_vllm")].prompt_id]["error_detail"]
+    assert "maximum context length is 32768 tokens. However, you requested 40000 tokens" in detail
+
+
+def test_error_detail_from_the_server_is_bounded_and_redacted(server, run_dir):
+    control(server, error_message="context length exceeded; caller sent Authorization: Bearer sk-live-abcdefgh123 "
+                                  + "and more " * 200)
+    write_prompts(run_dir, [([{"role": "user", "content": "q [[fault:overflow_vllm]]"}], None)])
+    run_generate(fast_config(), run_dir, endpoints=[server.base_url], progress=False)
+    (row,) = rows_of(run_dir)
+    assert row["error_class"] == "context_overflow"
+    assert "sk-live" not in row["error_detail"] and "[redacted]" in row["error_detail"]
+    assert len(row["error_detail"]) < 330

@@ -216,3 +216,44 @@ def test_odd_server_fields_are_normalized_or_malformed():
     with pytest.raises(RequestFailure) as exc:
         _normalize(Completion(content="x", completion_token_ids=["a"]))
     assert exc.value.error_class == "malformed"
+
+
+VLLM_MSG = ("This model's maximum context length is 32768 tokens. However, you requested 40000 tokens "
+            "(39000 in the messages, 1000 in the completion).")
+
+
+@pytest.mark.parametrize("status,body,klass", [
+    (400, {"error": {"message": VLLM_MSG, "type": "BadRequestError", "code": 400}}, "context_overflow"),
+    (400, {"object": "error", "message": VLLM_MSG, "type": "BadRequestError", "code": 400}, "context_overflow"),
+    (400, {"object": "error", "message": "Requested token count exceeds the model's maximum context length of 32768 "
+           "tokens.", "type": "BadRequestError", "code": "400"}, "context_overflow"),
+    (400, {"object": "error", "message": "The input (40000 tokens) is longer than the model's context length "
+           "(32768 tokens).", "code": 400}, "context_overflow"),
+    (422, {"error": "Input validation error: `inputs` tokens + `max_new_tokens` must be <= 4096. Given: 5000",
+           "error_type": "validation"}, "context_overflow"),
+    (400, {"error": {"message": "whatever", "code": "context_length_exceeded"}}, "context_overflow"),
+    (400, {"error": {"message": "temperature must be non-negative, got -1.0.", "code": 400}}, "bad_request"),
+    (400, {"detail": "max_tokens must be at least 1, got 0."}, "bad_request"),
+    (500, {"error": {"message": VLLM_MSG, "code": 500}}, "server_error"),  # the status decides the family
+    (404, {"error": {"message": "The model `x` does not exist (maximum context length unknown)"}}, "bad_request"),
+])
+def test_classify_by_status_and_error_structure(status, body, klass):
+    from regen.generate.checks import error_object
+
+    err = error_object(body)
+    assert classify_status(status, err.get("code"), err.get("message")) == klass
+
+
+def test_error_detail_keeps_the_start_of_the_message_bounded_and_without_secrets():
+    from regen.generate.checks import DETAIL_CHARS, error_detail
+
+    d = error_detail(400, VLLM_MSG)
+    assert d.startswith("HTTP 400: This model's maximum context length is 32768 tokens.")
+    long = error_detail(400, "x" * 5000 + "\nnext line")
+    assert len(long) <= len("HTTP 400: ") + DETAIL_CHARS + 3 and "\n" not in long
+    for secret in ("Authorization: Bearer abc.DEF-123", "sk-proj-abcdefghijklmnop", "api_key=s3cr3tvalue",
+                   '"token": "s3cr3tvalue"', "https://user:s3cr3tvalue@host/v1", "hf_abcdefghijklmnop"):
+        out = error_detail(400, f"bad request {secret} end")
+        assert "[redacted]" in out and "s3cr3tvalue" not in out and "abcdefghijklmnop" not in out, out
+        assert "abc.DEF-123" not in out and out.endswith("end")
+    assert error_detail(413, None) == "HTTP 413"
