@@ -393,6 +393,11 @@ def _train(cfg, run, info, target_path: Path, train_dir: Path, *, follow: bool,
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total_steps, cfg.warmup_frac, cfg.min_lr_frac))
     step = 0
     if resume_from is not None:
+        from regen.train.draft_config import check_rope_theta
+        from regen.train.model import CONFIG_NAME, DSparkConfig
+
+        check_rope_theta(DSparkConfig.from_json(Path(resume_from) / CONFIG_NAME), draft_cfg.rope_theta,
+                         checkpoint=str(Path(resume_from) / CONFIG_NAME), expected_from="this run's draft config")
         step = load_checkpoint(resume_from, model, opt, sched, feed)
         if info.is_main:
             log.info("resumed from %s at step %d", resume_from, step)
