@@ -7,6 +7,8 @@ Training defaults follow the DS Qwen3-4B recipe (spec §6): AdamW, warmup 4 %, c
 """
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -28,6 +30,9 @@ class TrainConfig(BaseModel):
     markov_rank: int = 256
     enable_confidence_head: bool = True
     mask_token_id: int | None = None  # null = the preset's (small: vocab_size - 1)
+    # the draft's RoPE base θ (written to config.json, checked by `regen eval` against the checkpoint's);
+    # null = the preset's: small 10,000, kimi-k3 50,000 (spec §2 table)
+    rope_theta: float | None = Field(default=None, gt=0)
     # reduced output vocabulary (EAGLE-3 d2t/t2d, regen.train.draft_vocab): the N most frequent supervised tokens of
     # the training shards; targets outside it leave the loss. 0 = the target's full vocabulary (K3 serving).
     draft_vocab_size: int = Field(default=0, ge=0)
@@ -47,6 +52,10 @@ class TrainConfig(BaseModel):
     max_steps: int = 0  # optimizer steps = the schedule's length; 0 = `epochs` passes (required with --follow)
     epochs: int = 1  # passes over the data (training ends at the first of max_steps and epochs); 0 = no limit
     grad_accum: int = 1  # micro-batches per rank per optimizer step
+    # how an optimizer step weighs its micro-batches (README "The trainer"): "step" = Σ w·term / Σ w over the
+    # whole step (any world size x accumulation equals one big batch); "micro_batch" = each micro-batch by its own
+    # Σ w over ranks, then the mean over the accumulation steps (the reference, DS trainer)
+    loss_normalization: Literal["step", "micro_batch"] = "step"
     seed: int | None = None  # null = the profile's seed
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # draft compute dtype: auto (bf16 on cuda, fp32 on cpu) | float32 | bfloat16

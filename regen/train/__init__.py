@@ -15,7 +15,8 @@ Modules, in reading order:
     parallel.py      process group and FSDP2, applied in one function
     checkpoint.py    servable draft + exact resume state
     loop.py          the training loop, top to bottom
-    eval.py          acc_len against the target on held-out prompts (spec §7)
+    eval.py          acc_len against the target on held-out prompts (spec §7), greedy and at --temperature
+    sampling.py      speculative rejection sampling: temperature / top-p, residual, the verification rule
 
 Entry points: `regen.train.loop.run_train(cfg: TrainConfig, run: RunDir)`, `regen.train.eval.run_eval(...)`;
 CLI `regen train`, `regen eval`; `python -m regen.train` / `torchrun ... -m regen.train -- ...`.

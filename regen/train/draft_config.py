@@ -44,7 +44,11 @@ class DSparkConfig:
     rope_parameters: dict = field(default_factory=lambda: {
         "rope_type": "yarn", "rope_theta": 50000.0, "factor": 32.0, "original_max_position_embeddings": 32768,
         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0})
-    rope_interleave: bool = True
+    # RoPE pair layout: None = the attention type's convention, resolved at construction and written to
+    # config.json: "mla" interleaved pairs (2i, 2i+1) as the K3 MLA drafts (spec §2 table; DeepSeek-V3
+    # `apply_rotary_emb`), "gqa" half-split pairs (i, i+R/2) as the reference's Qwen3 draft (DS `qwen3/modeling.py`,
+    # HF `rotate_half`). A config.json that states it (every checkpoint this product wrote) keeps its value.
+    rope_interleave: bool | None = None
     max_position_embeddings: int = 1048576
     vocab_size: int = 163840
     # target contract (spec §1, §8)
@@ -71,6 +75,13 @@ class DSparkConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
+        if self.rope_interleave is None:
+            object.__setattr__(self, "rope_interleave", self.attention_type == "mla")
+        theta = (self.rope_parameters or {}).get("rope_theta")
+        if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 0:
+            raise ValueError(f"rope_parameters.rope_theta={theta!r}: state the RoPE base explicitly (a positive "
+                             "number, e.g. 50000.0 for the K3 draft); no default is assumed (issue 14: a YaRN draft "
+                             "trainer that dropped the base trained at 10,000 whatever its config declared)")
         eos = self.eos_token_id
         object.__setattr__(self, "eos_token_id", tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),))
         ids = self.target_layer_ids
@@ -103,6 +114,11 @@ class DSparkConfig:
         return len(self.target_layer_ids)
 
     @property
+    def rope_theta(self) -> float:
+        """The RoPE base θ of the draft's own rotary embedding (`rope_parameters["rope_theta"]`)."""
+        return float(self.rope_parameters["rope_theta"])
+
+    @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
@@ -111,6 +127,8 @@ class DSparkConfig:
         d["target_layer_ids"] = list(self.target_layer_ids)
         d["eos_token_id"] = list(self.eos_token_id)
         d["num_target_layers"] = self.num_target_layers
+        d["rope_theta"] = self.rope_theta  # top level too: serving code that reads `config.rope_theta` (vLLM's
+        # DeepSeek-V2/V3 path) would otherwise fall back to 10,000 (issue 14)
         d["architectures"] = ["DSparkDraft"]
         return d
 
@@ -120,15 +138,31 @@ class DSparkConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "DSparkConfig":
         known = {f.name for f in fields(cls)}
-        unknown = set(d) - known - {"num_target_layers", "architectures"}
+        unknown = set(d) - known - {"num_target_layers", "architectures", "rope_theta"}
         if unknown:
             raise ValueError(f"unknown DSparkConfig fields {sorted(unknown)}")
-        return cls(**{k: v for k, v in d.items() if k in known})
+        cfg = cls(**{k: v for k, v in d.items() if k in known})
+        if "rope_theta" in d and float(d["rope_theta"]) != cfg.rope_theta:
+            raise ValueError(f"rope_theta {d['rope_theta']} differs from rope_parameters.rope_theta "
+                             f"{cfg.rope_theta}: the config states two RoPE bases; keep one value")
+        return cfg
 
     @classmethod
     def from_json(cls, text_or_path: str | Path) -> "DSparkConfig":
         p = Path(text_or_path) if not str(text_or_path).lstrip().startswith("{") else None
         return cls.from_dict(json.loads(p.read_text() if p is not None else str(text_or_path)))
+
+
+def check_rope_theta(cfg: DSparkConfig, expected: float | None, *, checkpoint: str, expected_from: str) -> None:
+    """Raise InputError when the checkpoint's RoPE base differs from the one `expected_from` (a profile's
+    `train.rope_theta`, a serving config) expects; `expected` None checks nothing. Part of the serving contract:
+    a draft served at another θ than it was trained at loses acceptance silently (issue 14)."""
+    from regen.errors import InputError
+
+    if expected is not None and float(expected) != cfg.rope_theta:
+        raise InputError(f"{checkpoint}: the checkpoint's rope_theta is {cfg.rope_theta:g}, {expected_from} expects "
+                         f"{float(expected):g}; evaluate/serve it with rope_theta {cfg.rope_theta:g} or retrain the "
+                         "draft at the expected base")
 
 
 def kimi_k3_config(**overrides) -> DSparkConfig:

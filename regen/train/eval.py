@@ -1,4 +1,5 @@
-"""`regen eval`: a draft's acceptance length (acc_len, τ) against its target under greedy verification.
+"""`regen eval`: a draft's acceptance length (acc_len, τ) against its target, under greedy verification (T = 0,
+always) and, with `--temperature T` (> 0), under speculative rejection sampling at T (the paper's protocol).
 
 Protocol: shared/docs/dspark.md §7 (DS `eval/base_evaluator.py`). The first output token comes from the prefill
 and is not counted; each round verifies `[anchor, d_1…d_K]`, accepts the longest prefix that matches the
@@ -13,6 +14,15 @@ continuation to get the tap features and the argmax at every position, and repla
 the same rounds and τ as a verify-per-round loop (causality makes the features of committed tokens
 identical), at one target pass per prompt. The draft proposes from the features of positions `< anchor`
 (spec §2 Inference), recomputing its context each round (no draft KV cache: same numbers, more compute).
+
+Sampling (T > 0, `sampled_rounds`; rule and sources in `regen.train.sampling`): the committed text now depends
+on the draws, so each (prompt, draft) is a real speculative generation: the target's prefill, then per round
+one draft proposal from the committed features (q_k: the per-slot distributions it drew from) and one cached
+target pass over `[anchor, d_1…d_K]` that gives both p_t at the drafted positions and the features of the
+positions it commits (the rejected tail is cropped from the KV cache), as DS `generate_decoding_sample` does.
+The first token is drawn from the prefill at T and not counted; τ and accept_rate@k count as above. Draws come
+from one `torch.Generator` per prompt seeded by (seed, prompt_id): a run is reproducible, and every draft
+meets the same random stream on a prompt.
 
 Held-out prompts: `is_heldout(prompt_id, fraction)` (a sha256 bucket of the prompt id); the trainer's feed
 drops the same prompts (`regen.train.feed`), so evaluation never sees a trained-on prompt. The prompt of a shard row
@@ -194,6 +204,129 @@ def proposal_table(draft, taps_SX, sequence: list[int], first: int, chunk: int =
     return out
 
 
+class TargetSession:
+    """A target generation under speculative decoding: a KV cache and the tap features of committed positions.
+
+    `prefill(prompt_ids)` -> logits float32[V] after the prompt; `verify(ids)` -> logits float32[len(ids), V]
+    after each of `ids` (appended to the cache); `keep(n)` commits positions < n (the rest of the last verify is
+    dropped from the cache). `taps` float[n, T·Ht]: the features of the committed positions.
+    """
+
+    def __init__(self, target):
+        self.target = target
+        self.cache = None
+        self.ids: list[int] = []
+        self.taps = None
+        self._pending = None
+
+    def _run(self, ids: list[int]):
+        import torch
+
+        x = torch.tensor([ids], device=self.target.device)
+        taps, last = self.target.features(x, past_key_values=self.cache)
+        self.ids.extend(int(i) for i in ids)
+        return taps[0], self.target.logits(last[0])
+
+    def prefill(self, prompt_ids: list[int]):
+        from transformers import DynamicCache
+
+        self.cache, self.ids = DynamicCache(), []
+        self.taps, logits = self._run(list(prompt_ids))
+        return logits[-1]
+
+    def verify(self, ids: list[int]):
+        self._pending, logits = self._run(ids)
+        return logits
+
+    def keep(self, n: int) -> None:
+        import torch
+
+        have = self.taps.shape[0]
+        self.taps = torch.cat([self.taps, self._pending[: n - have]]) if n > have else self.taps[:n]
+        drop = len(self.ids) - n
+        self.ids = self.ids[:n]
+        if drop > 0:
+            self.cache.crop(-drop)
+            if self.cache.get_seq_length() != n:  # a cache layer that cannot roll back: rebuild from the ids
+                from transformers import DynamicCache
+
+                self.cache, ids = DynamicCache(), self.ids
+                self.ids = []
+                self._run(ids)
+
+
+def sampled_rounds(propose, session, prompt_ids: list[int], *, max_new_tokens: int, temperature: float,
+                   top_p: float, stop_ids, generator) -> tuple[list[Round], list[int]]:
+    """Speculative sampling of one generation (module docstring): (rounds, prompt + generated token ids).
+
+    propose(anchor_pos, ids) -> (draft tokens list[int], q float[k, V]: the distribution each was drawn from),
+    with the committed features in `session.taps` (positions < anchor_pos); session: a `TargetSession` (or any
+    object with its prefill / verify / keep). Stops at a stop token or after `max_new_tokens` generated tokens.
+    """
+    from regen.train.sampling import draw, sampling_probs, verify_sampled
+
+    stop = set(int(t) for t in stop_ids)
+    P = len(prompt_ids)
+    seq = list(prompt_ids) + [draw(sampling_probs(session.prefill(prompt_ids), temperature, top_p), generator)]
+    rounds: list[Round] = []
+    pos = P  # the prefill token: committed, not counted
+    if seq[pos] in stop:
+        return rounds, seq
+    while pos - P < max_new_tokens:
+        drafts, q = propose(pos, seq)
+        p = sampling_probs(session.verify([seq[pos], *drafts]), temperature, top_p)
+        v = verify_sampled(drafts, q, p, stop, generator)
+        rounds.append(Round(v.accepted, v.tau, v.proposed, v.stopped))
+        session.keep(pos + v.accepted + 1)  # the anchor and the accepted drafts are committed
+        seq = seq[: pos + 1] + list(drafts[: v.accepted]) + ([v.bonus] if v.bonus is not None else [])
+        pos += v.tau
+        if v.stopped:
+            break
+    return rounds, seq
+
+
+def evaluate_sampled(target, drafts: dict, prompts: list[dict], *, max_new_tokens: int, stop_ids,
+                     temperature: float, top_p: float = 1.0, seed: int = 0, confidence_threshold: float = 0.0,
+                     progress: bool = False) -> dict:
+    """acc_len of each draft under rejection sampling at (temperature, top_p); same result shape as `evaluate`.
+
+    Each (prompt, draft) generation draws from a generator seeded by (seed, prompt_id). A block is cut before
+    the first slot with confidence < `confidence_threshold` (spec §4), its q rows with it.
+    """
+    import torch
+
+    rounds = {name: {} for name in drafts}
+    for n, p in enumerate(prompts):
+        for name, draft in drafts.items():
+            gen = torch.Generator(device=target.device)
+            key = hashlib.blake2b(f"{seed}:{p['prompt_id']}:eval-sampling".encode(), digest_size=8).digest()
+            gen.manual_seed(int.from_bytes(key, "little") & ((1 << 62) - 1))
+            session = TargetSession(target)
+
+            def propose(pos, seq, draft=draft, session=session, gen=gen):
+                toks, conf, q = draft.propose(session.taps.to(next(draft.parameters()).device), seq[pos], pos,
+                                              temperature=temperature, top_p=top_p, generator=gen,
+                                              return_probs=True)
+                cut = next((k for k, c in enumerate(conf.tolist()) if c < confidence_threshold), len(toks))
+                return toks[:cut].tolist(), q[:cut].to(target.device)
+
+            r, seq = sampled_rounds(propose, session, p["prompt_ids"], max_new_tokens=max_new_tokens,
+                                    temperature=temperature, top_p=top_p, stop_ids=stop_ids, generator=gen)
+            rounds[name].setdefault(p["category"], []).extend(r)
+        if progress:
+            print(f"eval T={temperature:g}: prompt {n + 1}/{len(prompts)}", flush=True)
+    return _summaries(rounds, max(1, next(iter(drafts.values())).config.block_size))
+
+
+def _summaries(rounds: dict, block_size: int) -> dict:
+    result = {}
+    for name, by_cat in rounds.items():
+        every = [r for rs in by_cat.values() for r in rs]
+        result[name] = summarize(every, block_size)
+        result[name]["per_category"] = {c: summarize(rs, block_size) for c, rs in sorted(by_cat.items())}
+    return result
+
+
 def evaluate(target, drafts: dict, prompts: list[dict], *, max_new_tokens: int, stop_ids, block_size: int,
              confidence_threshold: float = 0.0, progress: bool = False) -> dict:
     """acc_len of each draft in `drafts` ({name: DSparkDraft}) over `prompts` (see `heldout_prompts`).
@@ -215,25 +348,34 @@ def evaluate(target, drafts: dict, prompts: list[dict], *, max_new_tokens: int, 
             rounds[name].setdefault(p["category"], []).extend(r)
         if progress:
             print(f"eval: prompt {n + 1}/{len(prompts)} ({len(seq) - len(p['prompt_ids'])} tokens)", flush=True)
-    result = {}
-    for name, by_cat in rounds.items():
-        every = [r for rs in by_cat.values() for r in rs]
-        result[name] = summarize(every, block_size)
-        result[name]["per_category"] = {c: summarize(rs, block_size) for c, rs in sorted(by_cat.items())}
-    return result
+    return _summaries(rounds, block_size)
 
 
 RESERVED_NAMES = frozenset({"trained", "untrained", "num_prompts", "num_prompts_asked", "seed", "draft",
                             "draft_sha256", "target", "heldout_fraction", "max_new_tokens", "block_size",
                             "markov_rank", "stop_token_ids", "temperature", "drafts", "confidence_threshold",
-                            "protocol", "elapsed_s"})
+                            "protocol", "elapsed_s", "sampled", "top_p", "rope_theta"})
+
+GREEDY_PROTOCOL = "greedy verification, bonus token counted, first (prefill) token not counted (spec §7)"
+SAMPLED_VERIFICATION = (
+    "speculative rejection sampling (Leviathan et al. 2023, arXiv 2211.17192; Chen et al. 2023, arXiv 2302.01318; "
+    "DS eval/base_evaluator.py::verify_draft_tokens): d_k accepted with probability min(1, p_t(d_k)/q_k(d_k)) in "
+    "order; on the first rejection the bonus token is drawn from norm(max(0, p_t - q_k)); after all accepted, "
+    "from p_t; bonus counted, first (prefill) token drawn at T and not counted (spec §7)")
+DRAFT_PROPOSAL = ("q_k = softmax((U_k + W2·W1[x_(k-1)]) / T) restricted to the top-p nucleus, x_(k-1) the token "
+                  "drawn at slot k-1 (x_0 = anchor): the distribution each draft token is drawn from (spec §2, §3)")
 
 
 def run_eval(cfg, run, *, draft_dir, seed: int | None = None, num_prompts: int = 32, max_new_tokens: int = 64,
              confidence_threshold: float = 0.0, progress: bool = True, compare: dict | None = None,
-             out_path: str | Path | None = None) -> dict:
+             out_path: str | Path | None = None, temperature: float = 0.0, top_p: float = 1.0) -> dict:
     """Measure the trained draft in `draft_dir` and an untrained draft of the same config (seeded) on the run's
     held-out prompts; write `out_path` (default `<run>/eval.json`) atomically and return it.
+
+    The top-level figures are greedy (T = 0, unchanged); with temperature > 0 the same drafts are also measured
+    under rejection sampling at (temperature, top_p), under `"sampled"`: {protocol, <draft name>: {acc_len,
+    accept_rate, per_category, ...}}, seeded by `seed`. InputError for temperature < 0 or top_p outside (0, 1],
+    and when the profile's `train.rope_theta` differs from a checkpoint's.
 
     compare: {name: draft dir} of further trained drafts of the same target and block size measured on the same
     prompts and reported under their names (e.g. {"markov_rank_0": ...}, the spec §9 ablation); InputError for
@@ -251,10 +393,17 @@ def run_eval(cfg, run, *, draft_dir, seed: int | None = None, num_prompts: int =
     from schemas.io import sha256_file, write_json_atomic
 
     t0 = time.perf_counter()
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise InputError(f"--temperature {temperature} --top-p {top_p}: use T >= 0 (0 = greedy only) and top_p in "
+                         "(0, 1]")
     ddir = resolve_draft_dir(draft_dir)
+    from regen.train.draft_config import check_rope_theta
     from regen.train.model import DSparkConfig
 
     dcfg = DSparkConfig.from_json(ddir / "config.json")
+    expected_theta = getattr(cfg, "rope_theta", None)
+    check_rope_theta(dcfg, expected_theta, checkpoint=str(ddir / "config.json"),
+                     expected_from="the profile's train.rope_theta")
     contract = TargetContract.from_draft_config(dcfg)
     others = {}  # checked before the target loads: a typo costs seconds, not a model load
     for name, other in (compare or {}).items():
@@ -266,6 +415,8 @@ def run_eval(cfg, run, *, draft_dir, seed: int | None = None, num_prompts: int =
             raise InputError(f"--compare {name}={other}: no config.json, train/latest.json or latest.json found; "
                              "give a checkpoint folder or a training directory") from None
         ocfg = DSparkConfig.from_json(odir / "config.json")
+        check_rope_theta(ocfg, expected_theta, checkpoint=f"--compare {name}={other}",
+                         expected_from="the profile's train.rope_theta")
         contract.check(TargetContract.from_draft_config(ocfg), f"--compare {name}={other}")
         if ocfg.block_size != dcfg.block_size:
             raise InputError(f"--compare {name}={other}: block_size {ocfg.block_size} differs from the draft's "
@@ -298,17 +449,26 @@ def run_eval(cfg, run, *, draft_dir, seed: int | None = None, num_prompts: int =
     res = evaluate(target, drafts, prompts, max_new_tokens=max_new_tokens,
                    stop_ids=stop, block_size=dcfg.block_size, confidence_threshold=confidence_threshold,
                    progress=progress)
+    sampled = None
+    if temperature > 0:
+        sampled = {"protocol": {"temperature": temperature, "top_p": top_p, "seed": seed,
+                                "verification": SAMPLED_VERIFICATION, "draft_proposal": DRAFT_PROPOSAL,
+                                "random_streams": "one torch.Generator per prompt, seeded by (seed, prompt_id)"},
+                   **evaluate_sampled(target, drafts, prompts, max_new_tokens=max_new_tokens, stop_ids=stop,
+                                      temperature=temperature, top_p=top_p, seed=seed,
+                                      confidence_threshold=confidence_threshold, progress=progress)}
     target.close()
     dirs = {"trained": ddir, "untrained": ddir, **others}
     out = {**res, "num_prompts": len(prompts), "num_prompts_asked": num_prompts, "seed": seed, "draft": str(ddir),
            "draft_sha256": sha256_file(ddir / "model.safetensors"), "target": str(cfg.target),
            "heldout_fraction": fraction, "max_new_tokens": max_new_tokens, "block_size": dcfg.block_size,
-           "markov_rank": dcfg.markov_rank, "stop_token_ids": stop, "temperature": 0.0,
+           "markov_rank": dcfg.markov_rank, "rope_theta": dcfg.rope_theta, "stop_token_ids": stop,
+           "temperature": 0.0,
            "drafts": {name: {"dir": str(dirs[name]), "markov_rank": d.config.markov_rank,
                              "draft_vocab_size": d.config.draft_vocab_size, "trained": name != "untrained"}
                       for name, d in drafts.items()},
            "confidence_threshold": confidence_threshold,
-           "protocol": "greedy verification, bonus token counted, first (prefill) token not counted (spec §7)",
+           "protocol": GREEDY_PROTOCOL, **({"sampled": sampled} if sampled else {}),
            "elapsed_s": round(time.perf_counter() - t0, 2)}
     write_json_atomic(out, Path(out_path) if out_path else run.root / "eval.json")
     return out
@@ -327,6 +487,10 @@ def add_arguments(parser) -> None:
                              "(repeatable)")
     parser.add_argument("--confidence-threshold", type=float, default=0.0,
                         help="cut each block before the first slot with confidence < this (default 0: full block)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="also measure under speculative rejection sampling at this temperature (the paper's "
+                             "tables: 1.0); default 0: greedy only")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus of the sampled measurement (default 1)")
 
 
 def main(args) -> int:
@@ -352,8 +516,31 @@ def main(args) -> int:
         compare[name] = path
     out = run_eval(profile.train, run, draft_dir=args.draft, seed=seed, num_prompts=args.num_prompts,
                    max_new_tokens=args.max_new_tokens, confidence_threshold=args.confidence_threshold,
-                   compare=compare)
+                   compare=compare, temperature=args.temperature, top_p=args.top_p)
     brief = {k: {"acc_len": out[k]["acc_len"], "num_rounds": out[k]["num_rounds"]} for k in out["drafts"]}
+    if "sampled" in out:
+        for k in out["drafts"]:
+            brief[k][f"acc_len_T{args.temperature:g}"] = out["sampled"][k]["acc_len"]
     print(json.dumps({**brief, "num_prompts": out["num_prompts"], "seed": out["seed"],
                       "eval_json": str(run.root / "eval.json")}, indent=2))
+    print(format_table(out))
     return 0
+
+
+def format_table(out: dict) -> str:
+    """The per-category acc_len (accept_rate@0) of each draft at T = 0 and, when measured, at the sampled T."""
+    temps = [("T=0", out)] + ([(f"T={out['sampled']['protocol']['temperature']:g}", out["sampled"])]
+                              if "sampled" in out else [])
+    cats = sorted({c for name in out["drafts"] for c in out[name]["per_category"]})
+    head = ["draft", "category"] + [f"{t} acc_len (accept@0)" for t, _ in temps]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+
+    def cell(s):
+        return "-" if not s or s.get("acc_len") is None else f"{s['acc_len']:.3f} ({s['accept_rate']['0'] or 0:.3f})"
+
+    for name in out["drafts"]:
+        for cat in ["all", *cats]:
+            row = [name, cat] + [cell(res[name] if cat == "all" else res[name]["per_category"].get(cat))
+                                 for _, res in temps]
+            lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)

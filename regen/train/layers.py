@@ -38,7 +38,7 @@ def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
 
 def rope_inv_freq(dim: int, rope: dict) -> tuple[torch.Tensor, float]:
     """(inv_freq float32[dim/2], cos/sin scale) for `rope_type` default or yarn (DeepSeek-V3 YaRN)."""
-    base = float(rope.get("rope_theta", 10000.0))
+    base = float(rope["rope_theta"])  # required: no silent 10,000 (DSparkConfig refuses a config without it)
     exps = torch.arange(0, dim, 2, dtype=torch.float64) / dim
     freq_extra = 1.0 / base**exps
     if rope.get("rope_type", "default") != "yarn":

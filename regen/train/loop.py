@@ -11,9 +11,10 @@ grad clip), data (`regen.train.feed`: shards of `<run>/shards/manifest.json`, ch
 loop, checkpoint (`regen.train.checkpoint`). Spec: shared/docs/dspark.md §5 (objective), §6 (recipe), §8 (config).
 
 Loss normalisation (spec §5): each micro-batch's loss from `regen.train.loss.dspark_loss` is
-Σ w·term / Σ_ranks w · world_size; it is rescaled by (Σ_ranks w of that micro-batch) / (Σ_ranks w of the whole
-step) so an optimizer step over A micro-batches on W ranks equals one step over the same global batch at any
-(W, A). Anchors are drawn from a generator seeded by (seed, epoch, global micro-batch index): the same sample
+Σ w·term / Σ_ranks w · world_size; with `train.loss_normalization: step` (default) it is rescaled by
+(Σ_ranks w of that micro-batch) / (Σ_ranks w of the whole step) so an optimizer step over A micro-batches on W
+ranks equals one step over the same global batch at any (W, A); with `micro_batch` it is divided by A (the
+reference's weighting, DS trainer). Anchors are drawn from a generator seeded by (seed, epoch, global micro-batch index): the same sample
 gets the same anchors at any world size and after a resume.
 
 Outputs in <run>/train/: checkpoints/step-*/ (servable draft + resumable state), latest.json, log.jsonl (one
@@ -22,6 +23,7 @@ line per logged step), summary.json (what `run_train` returns).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import math
@@ -83,12 +85,16 @@ def build_draft_config(cfg, target_config):
     if cfg.mask_token_id is not None:
         common["mask_token_id"] = cfg.mask_token_id
     if cfg.draft_preset == "kimi-k3":
-        return kimi_k3_config(num_hidden_layers=cfg.num_draft_layers, target_hidden_size=tc.hidden_size,
-                              target_num_hidden_layers=tc.num_hidden_layers, vocab_size=tc.vocab_size,
-                              **common, **cfg.draft)
-    if cfg.draft_preset == "small":
-        return small_config_for_target(tc, num_hidden_layers=cfg.num_draft_layers, **common, **cfg.draft)
-    raise InputError(f"train.draft_preset={cfg.draft_preset!r}: allowed values are 'small' and 'kimi-k3'")
+        dc = kimi_k3_config(num_hidden_layers=cfg.num_draft_layers, target_hidden_size=tc.hidden_size,
+                            target_num_hidden_layers=tc.num_hidden_layers, vocab_size=tc.vocab_size,
+                            **common, **cfg.draft)
+    elif cfg.draft_preset == "small":
+        dc = small_config_for_target(tc, num_hidden_layers=cfg.num_draft_layers, **common, **cfg.draft)
+    else:
+        raise InputError(f"train.draft_preset={cfg.draft_preset!r}: allowed values are 'small' and 'kimi-k3'")
+    if cfg.rope_theta is not None:  # the profile states the base: it wins over the preset's (issue 14)
+        dc = dataclasses.replace(dc, rope_parameters={**dc.rope_parameters, "rope_theta": float(cfg.rope_theta)})
+    return dc
 
 
 def lr_lambda(total_steps: int, warmup_frac: float, min_lr_frac: float):
@@ -227,11 +233,14 @@ def prepare_microbatch(mb, seed: int, draft_cfg, device, t2d=None):
     return batch, anchors.to(device), keep.to(device)
 
 
-def train_step(model, target, opt, microbatches, *, loss_weights=(0.1, 0.9, 1.0), grad_clip: float = 1.0) -> dict:
+def train_step(model, target, opt, microbatches, *, loss_weights=(0.1, 0.9, 1.0), grad_clip: float = 1.0,
+               loss_normalization: str = "step") -> dict:
     """One optimizer step over this rank's micro-batches [(batch, anchors, keep)]; collective over ranks.
 
-    The step's objective is Σ_all w·term / Σ_all w over every micro-batch of every rank (spec §5), so A
-    micro-batches equal one batch holding them all, and W ranks equal one rank accumulating their batches.
+    loss_normalization "step" (default): the step's objective is Σ_all w·term / Σ_all w over every micro-batch
+    of every rank (spec §5), so A micro-batches equal one batch holding them all, and W ranks equal one rank
+    accumulating their batches. "micro_batch" (the reference, DS trainer): (1/A) Σ_i Σ_ranks w·term_i / Σ_ranks w_i,
+    each micro-batch normalised by its own weight sum over ranks, then averaged over the A accumulation steps.
     Returns this rank's partial sums (reduce with `reduce_metrics`), tokens, target seconds, grad norm.
     """
     import torch
@@ -249,7 +258,9 @@ def train_step(model, target, opt, microbatches, *, loss_weights=(0.1, 0.9, 1.0)
         local_w.append((ev * gamma_w).sum().double().cpu())
     global_w = all_reduce_sum(torch.stack(local_w))  # Σ over ranks, per micro-batch slot
     step_w = float(global_w.sum())
-    sums = torch.zeros(6, dtype=torch.float64)  # loss, ce, l1, conf, tau_prob·blocks, blocks
+    if loss_normalization not in ("step", "micro_batch"):
+        raise ValueError(f"loss_normalization {loss_normalization!r}: use 'step' or 'micro_batch'")
+    sums = torch.zeros(6, dtype=torch.float64)  # loss, ce, l1, conf, tau_prob·blocks, blocks (supervised ones)
     t_target = 0.0
     for i, (batch, anchors, keep) in enumerate(microbatches):
         set_gradient_sync(model, i == len(microbatches) - 1)
@@ -257,11 +268,15 @@ def train_step(model, target, opt, microbatches, *, loss_weights=(0.1, 0.9, 1.0)
         features = target.features(batch["input_ids"], batch["attention_mask"])
         t_target += time.perf_counter() - tt
         loss, m = model(batch, features, anchors, keep, weights=loss_weights)
-        scale = float(global_w[i]) / step_w if step_w > 0 else 0.0
+        if loss_normalization == "micro_batch":
+            scale = 1.0 / len(microbatches)
+        else:
+            scale = float(global_w[i]) / step_w if step_w > 0 else 0.0
         (loss * scale).backward()
         # dspark_loss: loss = Σ_rank w·L / Σ_ranks w · world; metrics ce/l1/conf = that / world
         sums += torch.tensor([m["loss"] * scale / world, m["ce"] * scale, m["l1"] * scale, m["conf"] * scale,
-                              m["tau_probabilistic"] * m["num_blocks"], m["num_blocks"]], dtype=torch.float64)
+                              m["tau_probabilistic"] * m["num_supervised_blocks"], m["num_supervised_blocks"]],
+                             dtype=torch.float64)
     grad_norm = clip_grad_norm(model, grad_clip)
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -378,6 +393,11 @@ def _train(cfg, run, info, target_path: Path, train_dir: Path, *, follow: bool,
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total_steps, cfg.warmup_frac, cfg.min_lr_frac))
     step = 0
     if resume_from is not None:
+        from regen.train.draft_config import check_rope_theta
+        from regen.train.model import CONFIG_NAME, DSparkConfig
+
+        check_rope_theta(DSparkConfig.from_json(Path(resume_from) / CONFIG_NAME), draft_cfg.rope_theta,
+                         checkpoint=str(Path(resume_from) / CONFIG_NAME), expected_from="this run's draft config")
         step = load_checkpoint(resume_from, model, opt, sched, feed)
         if info.is_main:
             log.info("resumed from %s at step %d", resume_from, step)
@@ -397,7 +417,8 @@ def _train(cfg, run, info, target_path: Path, train_dir: Path, *, follow: bool,
             break
         t0 = time.perf_counter()
         mbs = [prepare_microbatch(mb, seed, draft_cfg, info.device, t2d) for mb in batch_step.microbatches]
-        m = train_step(model, target, opt, mbs, loss_weights=tuple(cfg.loss_weights), grad_clip=cfg.grad_clip)
+        m = train_step(model, target, opt, mbs, loss_weights=tuple(cfg.loss_weights), grad_clip=cfg.grad_clip,
+                       loss_normalization=cfg.loss_normalization)
         sched.step()
         step, steps_here = step + 1, steps_here + 1
         step_s = time.perf_counter() - t0

@@ -114,10 +114,21 @@ def vocab_terms(draft, h_MH, prev_M, tgt_M, last_h_MH, *, chunk_slots: int | Non
     return tuple(torch.cat(x) for x in zip(*parts))
 
 
-def chain_expectation(values_BNK, eval_BNK, keep_BN) -> float:
-    """1 + mean over kept blocks of Σ_k Π_{i≤k} v_i·eval_i (spec §9 `tau_probabilistic` with v = c*)."""
+def chain_expectation(values_BNK, eval_BNK, keep_BN=None) -> float:
+    """1 + mean over supervised blocks of Σ_k Π_{i≤k} v_i·eval_i (spec §9 `tau_probabilistic` with v = c*).
+
+    A supervised block has at least one slot with eval > 0 (= its first slot, eval being a cumulative product);
+    the reference counts only those (DS `loss.py`), so a block whose slots all left the loss mask after the
+    anchors were drawn (a target outside the reduced draft vocabulary) does not pull the mean toward 1.
+    `keep_BN` is accepted for compatibility and unused: a dummy block has no supervised slot.
+    """
     chain = (values_BNK * eval_BNK).cumprod(-1)
-    return 1.0 + float(chain.sum()) / max(1, int(keep_BN.sum()))
+    return 1.0 + float(chain.sum()) / max(1, num_supervised_blocks(eval_BNK))
+
+
+def num_supervised_blocks(eval_BNK) -> int:
+    """Blocks with at least one supervised slot (eval_BNK[..., 0] > 0; `evaluation_mask` is a prefix)."""
+    return int((eval_BNK[..., 0] > 0).sum())
 
 
 def _global_denominator(local: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -210,7 +221,8 @@ def dspark_loss(draft, batch: dict, features, anchors=None, keep=None, *, genera
             "acc": float((match.view_as(w) * ev).sum()) / n_slots,
             "tau_probabilistic": chain_expectation(full_cstar.view_as(w), ev, keep),  # 1 + Σ_k Π_{i≤k} c*_i
             "tau_teacher_forced": chain_expectation(match.view_as(w), ev, keep),
-            "num_blocks": int(keep.sum()), "num_slots": int(ev.sum()),
+            "num_blocks": int(keep.sum()), "num_supervised_blocks": num_supervised_blocks(ev),
+            "num_slots": int(ev.sum()),
             "conf_mean": float(torch.sigmoid(conf_logit).mean()) if conf_logit is not None and len(conf_logit) else math.nan,
         }
     return loss, metrics

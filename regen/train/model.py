@@ -237,13 +237,20 @@ class DSparkDraft(nn.Module):
     # -- inference ------------------------------------------------------------------------------
     @torch.no_grad()
     def propose(self, taps_SX, anchor_token: int, anchor_pos: int, *, temperature: float = 0.0,
-                generator: torch.Generator | None = None, position_ids_S=None):
-        """One block proposal (spec §2 Inference, DS `draft_ops`): (draft tokens int64[K], confidence f32[K]).
+                top_p: float = 1.0, generator: torch.Generator | None = None, position_ids_S=None,
+                return_probs: bool = False):
+        """One block proposal (spec §2 Inference, DS `draft_ops`): (draft tokens int64[K], confidence f32[K]),
+        plus, with `return_probs`, q float32[K, V]: the distribution each token was drawn from, in target ids.
 
         taps_SX: [a, T·Ht] target features of the committed positions `< anchor_pos` (= a); the block is
         `[anchor, MASK…]` at positions a…a+K−1; one backbone pass gives U_1…U_K, then for k = 1…K
-        `ℓ_k = U_k + W2·W1[x_{k−1}]` (x_0 = anchor) and x_k = argmax (T=0) or a sample at temperature T.
+        `ℓ_k = U_k + W2·W1[x_{k−1}]` (x_0 = anchor) and x_k = argmax (T=0) or a draw from
+        q_k = `regen.train.sampling.sampling_probs(ℓ_k, T, top_p)` (T > 0), x_{k−1} being the token drawn at slot
+        k−1: q_k is the per-slot proposal that rejection sampling needs (`regen.train.sampling`). With a reduced
+        draft vocabulary q_k is 0 outside it. At T=0, q_k is one-hot on the argmax.
         """
+        from regen.train.sampling import sampling_probs
+
         cfg, dev = self.config, taps_SX.device
         K, S = cfg.block_size, taps_SX.shape[0]
         ctx_pos = position_ids_S[None] if position_ids_S is not None else torch.arange(S, device=dev)[None]
@@ -252,21 +259,27 @@ class DSparkDraft(nn.Module):
         ids[0, 0] = anchor_token
         h = self.backbone(self.context(taps_SX[None]), ids, ctx_pos, blk_pos, None)[0]  # [K, H]
         U = self.base_logits(h)
-        tokens, conf = [], []
+        tokens, conf, probs = [], [], []
         prev = torch.tensor(anchor_token, device=dev)
         for k in range(K):
             bias = self.markov_bias(prev)
             logits = U[k] if bias is None else U[k] + bias
             if temperature <= 0:
                 x = logits.argmax()
+                q = torch.zeros_like(logits).scatter_(-1, x[None], 1.0) if return_probs else None
             else:
-                x = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator)[0]
+                q = sampling_probs(logits, temperature, top_p)
+                x = torch.multinomial(q, 1, generator=generator)[0]
+            if return_probs:
+                probs.append(q if not cfg.draft_vocab_size else
+                             torch.zeros(cfg.vocab_size, device=dev).index_copy_(0, self.draft_vocab(), q))
             x = self.to_target_ids(x)
             c = self.confidence_logits(h[k], prev)
             conf.append(torch.sigmoid(c) if c is not None else torch.ones((), device=dev))
             tokens.append(x)
             prev = x
-        return torch.stack(tokens), torch.stack(conf).float()
+        out = (torch.stack(tokens), torch.stack(conf).float())
+        return (*out, torch.stack(probs).float()) if return_probs else out
 
     @torch.no_grad()
     def propose_batch(self, taps_BSX, input_ids_BS, anchors_BN, keep_BN=None, *, position_ids_BS=None):

@@ -140,6 +140,14 @@ def declared_contract(d: dict) -> dict:
     return out
 
 
+def _cache_kwarg(decoder, cache) -> dict:
+    """The decoder's name for the KV cache argument: `cache` (transformers >= 5.x, where `past_key_values` is
+    deprecated) or `past_key_values`."""
+    import inspect
+
+    return {"cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values": cache}
+
+
 def _out_tensor(out):
     return out[0] if isinstance(out, (tuple, list)) else out
 
@@ -203,13 +211,18 @@ class TargetFeatures:
     def device(self):
         return next(self.model.parameters()).device
 
-    def features(self, input_ids, attention_mask=None):
-        """(taps [B, S, T·Ht], last_hidden [B, S, Ht]); no gradients; float dtype of the model."""
+    def features(self, input_ids, attention_mask=None, past_key_values=None):
+        """(taps [B, S, T·Ht], last_hidden [B, S, Ht]); no gradients; float dtype of the model.
+
+        past_key_values: an HF cache (e.g. `transformers.DynamicCache`) holding the positions before
+        `input_ids`, extended in place (speculative verification, `regen.train.eval`); None = no cache."""
         import torch
 
         self._captured.clear()
         with torch.no_grad():
-            out = self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            kw = {"use_cache": False} if past_key_values is None else {"use_cache": True, **_cache_kwarg(
+                self.decoder, past_key_values)}
+            out = self.decoder(input_ids=input_ids, attention_mask=attention_mask, **kw)
             taps = torch.cat([self._captured[i] for i in self.contract.target_layer_ids], dim=-1)
         self._captured.clear()
         return taps, out.last_hidden_state

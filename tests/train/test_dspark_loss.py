@@ -178,3 +178,32 @@ def test_fused_and_chunked_vocabulary_terms_equal_plain_autograd(extra):
         assert set(gi) == set(g0)
         for n in g0:
             torch.testing.assert_close(gi[n], g0[n], msg=n, atol=1e-6, rtol=1e-4)
+
+
+def test_tau_probabilistic_counts_only_blocks_with_a_supervised_slot():
+    """The loss mask changes after the anchors are drawn (a reduced draft vocabulary drops the target at a+1):
+    that block keeps `keep` True but has no supervised slot, and the reference (DS `loss.py`: valid blocks =
+    keep ∧ any(eval)) leaves it out of tau_probabilistic's mean instead of counting it as τ = 1."""
+    c = torch.tensor([[[0.5, 0.5, 1.0], [0.9, 0.9, 0.9], [0.8, 0.8, 0.8]]])
+    ev = torch.tensor([[[1.0, 1.0, 1.0], [0.0, 0.0, 0.0], [1.0, 0.0, 0.0]]])
+    keep = torch.tensor([[True, True, True]])
+    assert chain_expectation(c, ev, keep) == pytest.approx(1 + (1.0 + 0.8) / 2)  # not 1 + 1.8 / 3
+
+    torch.manual_seed(0)
+    d = DSparkDraft(tiny_cfg(block_size=4))
+    batch, feats = _batch()
+    anchors = torch.tensor([[5, 10], [6, 12]])
+    keep = torch.ones(2, 2, dtype=torch.bool)
+    _, before = dspark_loss(d, batch, feats, anchors, keep)
+    masked = {**batch, "loss_mask": batch["loss_mask"].clone()}
+    masked["loss_mask"][0, 11] = 0  # after the draw: anchor 10's first target (x11) leaves the loss
+    masked["loss_mask"][1, 7] = 0  # and anchor 6's first target (x7)
+    _, after = dspark_loss(d, masked, feats, anchors, keep)
+    assert before["num_supervised_blocks"] == 4 and after["num_supervised_blocks"] == 2 and after["num_blocks"] == 4
+    ev = evaluation_mask(anchors, keep, masked["loss_mask"], 4)
+    assert ev[0, 1].sum() == 0 and ev[1, 0].sum() == 0 and ev[0, 0].sum() == 4 and ev[1, 1].sum() == 4
+    # = the mean over the two supervised blocks alone (the same blocks, the others switched off)
+    _, only = dspark_loss(d, masked, feats, anchors, torch.tensor([[True, False], [False, True]]))
+    assert only["num_blocks"] == 2 and after["tau_probabilistic"] == pytest.approx(only["tau_probabilistic"])
+    unsupervised_as_one = 1 + (only["tau_probabilistic"] - 1) * 2 / 4  # the old denominator: all kept blocks
+    assert after["tau_probabilistic"] > unsupervised_as_one + 0.01

@@ -155,3 +155,80 @@ def test_batched_proposals_equal_one_block_proposals():
         t1, c1 = d.propose(taps[0, :a], int(ids[0, a]), a)
         assert tok[0, n].tolist() == t1.tolist()
         torch.testing.assert_close(conf[0, n], c1, atol=1e-5, rtol=1e-4)
+
+
+def _rope_interleaved_reference(x, cos, sin):
+    """DeepSeek-V3 `apply_rotary_emb`: pairs (2i, 2i+1) as complex numbers times e^{iθ} (MLA, spec §2 table)."""
+    z = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2).contiguous())
+    return torch.view_as_real(z * torch.complex(cos, sin)).flatten(-2)
+
+
+def _rope_half_reference(x, cos, sin):
+    """HF Llama/Qwen3 `apply_rotary_pos_emb`: x·cos + rotate_half(x)·sin, cos/sin repeated over both halves."""
+    c, s = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
+    half = x.shape[-1] // 2
+    rotate_half = torch.cat([-x[..., half:], x[..., :half]], -1)
+    return x * c + rotate_half * s
+
+
+@pytest.mark.parametrize("attention_type,layout", [("mla", "interleaved"), ("gqa", "half")])
+def test_rope_layout_per_attention_type(attention_type, layout, monkeypatch):
+    """MLA rotates interleaved pairs, GQA half-split pairs (the reference's Qwen3 draft): pinned through the
+    attention module's real forward by swapping `apply_rope` for each explicit reference formula."""
+    import regen.train.layers as layers
+
+    cfg = tiny_cfg(attention_type=attention_type)
+    assert cfg.rope_interleave is (layout == "interleaved")
+    assert cfg.to_dict()["rope_interleave"] is cfg.rope_interleave  # stated explicitly in config.json
+    x = torch.randn(2, 3, 8)
+    cos, sin = torch.randn(2, 3, 4), torch.randn(2, 3, 4)
+    ref = {"interleaved": _rope_interleaved_reference, "half": _rope_half_reference}
+    torch.testing.assert_close(layers.apply_rope(x, cos, sin, cfg.rope_interleave), ref[layout](x, cos, sin))
+    other = ref["half" if layout == "interleaved" else "interleaved"]
+    assert not torch.allclose(layers.apply_rope(x, cos, sin, cfg.rope_interleave), other(x, cos, sin))
+
+    torch.manual_seed(0)
+    d = DSparkDraft(cfg).eval()
+    taps, ids = torch.randn(1, 10, 3 * 64), torch.randint(2, 500, (1, 10))
+    anchors, keep = torch.tensor([[3, 6]]), torch.ones(1, 2, dtype=torch.bool)
+    with torch.no_grad():
+        got = d(taps, ids, anchors, keep)
+        for formula, same in ((ref[layout], True), (other, False)):
+            monkeypatch.setattr(layers, "apply_rope", lambda x, c, s, interleave, f=formula: f(x, c, s))
+            want = d(taps, ids, anchors, keep)
+            assert torch.allclose(got, want, atol=1e-5) is same, formula.__name__
+            monkeypatch.undo()
+
+
+def test_old_checkpoints_keep_their_stated_layout_and_theta_is_explicit():
+    d = tiny_cfg(attention_type="gqa").to_dict()
+    old_gqa = {**d, "rope_interleave": True}  # a GQA checkpoint written before issue 14 states interleaved
+    assert DSparkConfig.from_dict(old_gqa).rope_interleave is True
+    mla = tiny_cfg().to_dict()
+    assert mla["rope_interleave"] is True and DSparkConfig.from_dict(mla).rope_interleave is True
+    no_field = {k: v for k, v in d.items() if k != "rope_interleave"}  # unstated: the attention type's convention
+    assert DSparkConfig.from_dict(no_field).rope_interleave is False
+    assert kimi_k3_config().to_dict()["rope_theta"] == 50000.0 == kimi_k3_config().rope_theta
+    assert d["rope_theta"] == d["rope_parameters"]["rope_theta"]
+    with pytest.raises(ValueError, match="two RoPE bases"):
+        DSparkConfig.from_dict({**d, "rope_theta": 1e6})
+    for params in ({"rope_type": "default"}, {"rope_type": "yarn", "factor": 32.0}, {"rope_theta": 0}):
+        with pytest.raises(ValueError, match="rope_theta"):
+            tiny_cfg(rope_parameters=params)
+
+
+def test_profile_rope_theta_reaches_the_draft_config():
+    from types import SimpleNamespace
+
+    from regen.config.train import TrainConfig
+    from regen.train.loop import build_draft_config
+
+    tc = SimpleNamespace(hidden_size=64, num_hidden_layers=6, vocab_size=512, intermediate_size=128,
+                         max_position_embeddings=512, eos_token_id=1, pad_token_id=0, rms_norm_eps=1e-6,
+                         model_type="qwen3")
+    base = dict(target_layer_ids=[0, 2, 4], num_draft_layers=1, markov_rank=8)
+    assert build_draft_config(TrainConfig(**base), tc).rope_theta == 10000.0  # the small preset's
+    assert build_draft_config(TrainConfig(**base, rope_theta=1e6), tc).rope_theta == 1e6
+    k3 = dict(base, draft_preset="kimi-k3", num_draft_layers=1, mask_token_id=511)
+    assert build_draft_config(TrainConfig(**k3), tc).rope_parameters["rope_type"] == "yarn"
+    assert build_draft_config(TrainConfig(**k3), tc).rope_theta == 50000.0

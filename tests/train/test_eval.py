@@ -180,3 +180,117 @@ def test_confidence_threshold_cuts_blocks():
     assert proposal_table(d, taps, seq, 5, confidence_threshold=0.5) == [[]] * 15
     r = score_round([], [7], [0])
     assert r == Round(accepted=0, tau=1, proposed=0, stopped=False)
+
+
+def test_target_session_cache_equals_a_full_forward(tiny_target_dir):
+    """The cached verify passes (with a rejected tail cropped) give the logits and taps of one full pass."""
+    from regen.train.eval import TargetSession
+    from regen.train.target import TargetContract, TargetFeatures
+
+    tf = TargetFeatures.from_pretrained(tiny_target_dir, TargetContract((0, 2)))
+    s = TargetSession(tf)
+    s.prefill([5, 6, 7, 8])
+    s.verify([9, 10, 11, 12])
+    s.keep(6)  # commits 9, 10; 11, 12 rejected
+    logits = s.verify([40, 41, 42])
+    s.keep(8)
+    assert s.ids == [5, 6, 7, 8, 9, 10, 40, 41] and s.cache.get_seq_length() == 8 and s.taps.shape[0] == 8
+    seq = torch.tensor([[5, 6, 7, 8, 9, 10, 40, 41, 42]])
+    taps, last = tf.features(seq)
+    torch.testing.assert_close(logits, tf.logits(last[0])[6:9], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(s.taps, taps[0, :8], rtol=1e-4, atol=1e-4)
+
+
+def test_target_as_its_own_draft_is_accepted_at_every_position(tiny_target_dir):
+    """Rejection sampling against the real target with a draft that draws from the target's own distributions
+    (a full forward per slot): every drafted token is accepted, so acc_len = K + 1."""
+    from regen.train.eval import TargetSession, sampled_rounds
+    from regen.train.sampling import sampling_probs
+    from regen.train.target import TargetContract, TargetFeatures
+
+    tf = TargetFeatures.from_pretrained(tiny_target_dir, TargetContract((0, 2)))
+    K, T = 3, 1.0
+    g = torch.Generator().manual_seed(0)
+
+    def propose(pos, seq):
+        ctx, toks, qs = list(seq[: pos + 1]), [], []
+        for _ in range(K):
+            q = sampling_probs(tf.logits(tf.features(torch.tensor([ctx]))[1][0, -1]), T)
+            ctx.append(int(torch.multinomial(q, 1, generator=g)))
+            toks.append(ctx[-1])
+            qs.append(q)
+        return toks, torch.stack(qs)
+
+    rounds, seq = sampled_rounds(propose, TargetSession(tf), [5, 6, 7, 8], max_new_tokens=16, temperature=T,
+                                 top_p=1.0, stop_ids=[], generator=g)
+    s = summarize(rounds, K)
+    assert s["num_rounds"] == 4 and all(s["accept_rate"][str(k)] == 1.0 for k in range(K))
+    assert s["acc_len"] == K + 1 and len(seq) == 4 + 1 + 16
+
+
+def test_regen_eval_at_temperature_is_seeded_and_keeps_greedy(tmp_path, tiny_target_dir, shard_writer):
+    from train_helpers import make_rows
+
+    from regen.config.train import TrainConfig
+    from regen.errors import InputError
+    from regen.rundir import RunDir
+    from regen.train.eval import run_eval
+    from regen.train.model import DSparkDraft, save_draft, small_config_for_target
+    from regen.train.target import TargetContract, TargetFeatures
+
+    shard_writer.add(make_rows(4, seed=3, vocab=512, min_len=20, max_len=40), complete=True)
+    run = RunDir.at(shard_writer.dir.parent)
+    tf = TargetFeatures.from_pretrained(tiny_target_dir, TargetContract((0, 2)))
+    dcfg = small_config_for_target(tf.config, target_layer_ids=(0, 2), markov_rank=8, block_size=4)
+    torch.manual_seed(1)
+    save_draft(DSparkDraft.from_target(tf.model, dcfg), tmp_path / "ckpt")
+    cfg = TrainConfig(target=str(tiny_target_dir), heldout_fraction=1.0, target_layer_ids=[0, 2])
+    kw = dict(draft_dir=tmp_path / "ckpt", num_prompts=2, max_new_tokens=10, progress=False)
+    greedy = run_eval(cfg, run, seed=3, out_path=tmp_path / "g.json", **kw)
+    a = run_eval(cfg, run, seed=3, temperature=1.0, top_p=0.9, out_path=tmp_path / "a.json", **kw)
+    b = run_eval(cfg, run, seed=3, temperature=1.0, top_p=0.9, out_path=tmp_path / "b.json", **kw)
+    c = run_eval(cfg, run, seed=4, temperature=1.0, top_p=0.9, out_path=tmp_path / "c.json", **kw)
+    assert "sampled" not in greedy and greedy["temperature"] == 0.0
+    for name in ("trained", "untrained"):
+        assert a[name] == greedy[name]  # the top-level (T = 0) figures are the greedy ones, unchanged
+        assert a["sampled"][name] == b["sampled"][name]  # same seed: the same draws
+        s = a["sampled"][name]
+        assert s["num_rounds"] > 0 and 1.0 <= s["acc_len"] <= 5.0 and set(s["per_category"]) == {"math"}
+    assert c["sampled"]["protocol"]["seed"] == 4
+    assert (c["sampled"]["trained"], c["sampled"]["untrained"]) != (a["sampled"]["trained"], a["sampled"]["untrained"])
+    proto = a["sampled"]["protocol"]
+    assert (proto["temperature"], proto["top_p"], proto["seed"]) == (1.0, 0.9, 3)
+    assert "min(1, p_t(d_k)/q_k(d_k))" in proto["verification"] and "max(0, p_t - q_k)" in proto["verification"]
+    for bad in (dict(temperature=-1.0), dict(temperature=1.0, top_p=0.0)):
+        with pytest.raises(InputError, match="--temperature"):
+            run_eval(cfg, run, seed=3, **kw, **bad)
+
+
+def test_eval_refuses_a_checkpoint_of_another_rope_theta(tmp_path, tiny_target_dir, shard_writer):
+    """The checkpoint's RoPE base is a checked serving field: a profile expecting another one is an InputError
+    naming both values, for the draft and for a --compare draft, before the target loads."""
+    from train_helpers import make_rows
+
+    from regen.config.train import TrainConfig
+    from regen.errors import InputError
+    from regen.rundir import RunDir
+    from regen.train.eval import run_eval
+    from regen.train.model import DSparkDraft, save_draft, small_config_for_target
+    from regen.train.target import TargetContract, TargetFeatures
+
+    shard_writer.add(make_rows(2, seed=4, vocab=512, min_len=20, max_len=40), complete=True)
+    run = RunDir.at(shard_writer.dir.parent)
+    tf = TargetFeatures.from_pretrained(tiny_target_dir, TargetContract((0, 2)))
+    for name, theta in (("a", 10000.0), ("b", 50000.0)):
+        dcfg = small_config_for_target(tf.config, target_layer_ids=(0, 2), markov_rank=8, block_size=4,
+                                       rope_parameters={"rope_type": "default", "rope_theta": theta})
+        save_draft(DSparkDraft.from_target(tf.model, dcfg), tmp_path / name)
+    kw = dict(num_prompts=1, max_new_tokens=4, progress=False, out_path=tmp_path / "e.json")
+    cfg = TrainConfig(target=str(tiny_target_dir), heldout_fraction=1.0, target_layer_ids=[0, 2], rope_theta=50000)
+    with pytest.raises(InputError, match=r"rope_theta is 10000, the profile's train.rope_theta expects 50000"):
+        run_eval(cfg, run, draft_dir=tmp_path / "a", **kw)
+    with pytest.raises(InputError, match=r"--compare other=.*rope_theta is 10000.*expects 50000"):
+        run_eval(cfg, run, draft_dir=tmp_path / "b", compare={"other": tmp_path / "a"}, **kw)
+    assert run_eval(cfg, run, draft_dir=tmp_path / "b", **kw)["rope_theta"] == 50000.0
+    unset = TrainConfig(target=str(tiny_target_dir), heldout_fraction=1.0, target_layer_ids=[0, 2])
+    assert run_eval(unset, run, draft_dir=tmp_path / "a", **kw)["rope_theta"] == 10000.0  # nothing expected

@@ -16,7 +16,7 @@ from regen.train.loop import run_train
 SERVING_FIELDS = ("target_layer_ids", "fc_norm", "aux_hidden_stream", "mask_token_id", "block_size", "markov_rank",
                   "num_target_layers", "target_hidden_size", "target_num_hidden_layers", "markov_head_type",
                   "enable_confidence_head", "confidence_head_with_markov", "norm_convention", "model_type",
-                  "num_hidden_layers", "hidden_size", "vocab_size")
+                  "num_hidden_layers", "hidden_size", "vocab_size", "rope_theta", "rope_parameters", "rope_interleave")
 
 
 def train_cfg(profile, **overrides):
@@ -131,3 +131,14 @@ def test_kimi_k3_profile_builds_the_full_size_draft_on_meta():
     assert dcfg.num_hidden_layers == 5 and dcfg.mask_token_id == 163837 and dcfg.markov_rank == 256
     counts = count_parameters(build_meta(dcfg))
     assert abs(counts["serving_without_embed"] - 3.56e9) < 0.01e9  # the 3.56B of the K3 MLA checkpoint (spec §2)
+
+
+def test_resume_with_another_rope_theta_is_an_input_error_naming_both(tiny_run):
+    from regen.errors import InputError
+
+    profile, run_dir = tiny_run
+    run_train(train_cfg(profile, max_steps=1), RunDir.at(run_dir))
+    config = json.loads(next((run_dir / "train" / "checkpoints").glob("step-*/config.json")).read_text())
+    assert config["rope_theta"] == config["rope_parameters"]["rope_theta"] == 10000.0
+    with pytest.raises(InputError, match=r"rope_theta is 10000, this run's draft config expects 50000"):
+        run_train(train_cfg(profile, max_steps=2, rope_theta=50000.0), RunDir.at(run_dir))

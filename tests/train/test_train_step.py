@@ -104,3 +104,40 @@ def test_checkpoint_round_trip(tiny_run, target, dist_info, tmp_path):
         for key, value in st.items():
             assert torch.equal(torch.as_tensor(value), torch.as_tensor(o2["state"][name][key])), (name, key)
     assert sched2.state_dict() == sched.state_dict() and feed2.state_dict() == feed.state_dict()
+
+
+def test_micro_batch_normalisation_equals_the_reference_formula(tiny_run, target, dist_info):
+    """`loss_normalization="micro_batch"` (the reference's): the step's gradient is (1/A) Σ_i ∇L_i, each L_i the
+    micro-batch's own loss Σ w·term / Σ w; the default ("step") differs from it when the micro-batches carry
+    different weight sums."""
+    _, run_dir = tiny_run
+    model_a, opt_a, _ = build(target, dist_info, sgd=True, lr=1.0)
+    cfg = model_a.config
+    mbs = [prepare_microbatch(mb, 0, cfg, torch.device("cpu")) for mb in microbatches(run_dir)]
+    before = params(model_a)
+    m_a = train_step(model_a, target, opt_a, mbs, grad_clip=1e9, loss_normalization="micro_batch")
+
+    model_b, opt_b, _ = build(target, dist_info, sgd=True, lr=1.0)
+    losses = []
+    for batch, anchors, keep in mbs:  # the reference: each micro-batch alone, divided by A
+        loss, _ = model_b(batch, target.features(batch["input_ids"], batch["attention_mask"]), anchors, keep)
+        (loss / len(mbs)).backward()
+        losses.append(float(loss.detach()))
+    opt_b.step()
+    assert m_a["sums"][0].item() == pytest.approx(sum(losses) / len(mbs), rel=1e-5)
+    after_a, after_b = params(model_a), params(model_b)
+    for k in after_a:
+        torch.testing.assert_close(after_a[k] - before[k], after_b[k] - before[k], rtol=1e-4, atol=1e-7, msg=k)
+
+    model_c, opt_c, _ = build(target, dist_info, sgd=True, lr=1.0)
+    m_c = train_step(model_c, target, opt_c, mbs, grad_clip=1e9)  # default: one normalisation for the step
+    from regen.train.loss import decay_weights, evaluation_mask
+
+    w = [float((evaluation_mask(a, k, b["loss_mask"], cfg.block_size) * decay_weights(cfg.block_size)).sum())
+         for b, a, k in mbs]
+    assert w[0] != pytest.approx(w[1])  # unequal weights: the two rules weigh the micro-batches differently
+    step_loss = sum(wi * li for wi, li in zip(w, losses)) / sum(w)
+    assert m_c["sums"][0].item() == pytest.approx(step_loss, rel=1e-5)
+    assert m_c["sums"][0].item() != pytest.approx(m_a["sums"][0].item(), rel=1e-4)
+    with pytest.raises(ValueError, match="loss_normalization"):
+        train_step(model_c, target, opt_c, mbs, loss_normalization="sequence")
