@@ -202,7 +202,7 @@ class RowRenderer:
         self.renderer, self.cfg, self.contract_hash = renderer, cfg, contract_hash
         self.allowed_kwargs = KIMI_TEMPLATE_KWARGS if renderer.name == "kimi-k3" else ()
         # rows supervise the last turn only: an HF template need only be prefix-stable up to it
-        self.render_options = {"last_only": True, "with_text": False} if renderer.name == "hf" else {}
+        self.render_options = {"last_only": True}  # the sample of the last turn (see module doc)
         self.closing, self.strip = self._closing_and_strip()
         self.counts: Counter = Counter()
         self.drift = {"rows_checked": 0, "rows_drifted": 0, "causes": Counter()}

@@ -46,17 +46,20 @@ CORPUS = [
 ]
 
 
-def train_tokenizer_json(path: Path) -> None:
+def train_tokenizer_json(path: Path, corpus: list[str] | None = None, *, split_words: bool = True) -> None:
+    """A tiny byte-level BPE `tokenizer.json`. `split_words=False` trains without the GPT-2 word split, so merges
+    cross whitespace and punctuation (like SentencePiece: "\n\n", "l\n", ".\n") and a one-pass tokenization can
+    merge a template's tail with an answer's head."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=split_words)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=700, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(CORPUS * 20, trainer)
+    tok.train_from_iterator((corpus or CORPUS) * 20, trainer)
     tok.save(str(path))
 
 
