@@ -76,7 +76,7 @@ class HFTemplateRenderer:
     """
 
     name = "hf"
-    version = "1"
+    version = "2"  # 2: prompt and answer tokenized apart at the generation prompt (issue #11 point 4)
 
     def __init__(self, path: str | os.PathLike, mask: str = "auto"):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")

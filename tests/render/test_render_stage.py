@@ -55,6 +55,14 @@ def bad_rows() -> list[dict]:
         (generation_row("b-tool", 0, [U1, {"role": "tool", "tool_call_id": "zz", "content": "5"}],
                         content="An answer to a tool result nobody asked for.", reasoning_content="x"),
          "parse", "tool_result_without_call: messages[1]"),
+        # issue #11 point 5: the Kimi-K3 renderer renders this as the reference does; validation rejects it
+        (generation_row("b-tool-after-user", 0, [
+            U1, {"role": "assistant", "content": "", "reasoning_content": "r", "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "5"}, {"role": "user", "content": "And now?"},
+            {"role": "tool", "tool_call_id": "zz", "name": "add", "content": "6"}], tools=TOOLS,
+            content="An answer after a stray tool result.", reasoning_content="x"),
+         "parse", "tool_result_without_call: messages[4]"),
         (generation_row("b-noreason", 0, [U1], content="An answer whose reasoning the server lost.",
                         reasoning_content=None), "parse", "no_reasoning: messages[1]"),
         (generation_row("b-args", 0, [U1, {"role": "assistant", "content": "", "reasoning_content": "r",
@@ -139,7 +147,7 @@ def test_bad_rows_are_rejected_with_reasons_and_the_run_goes_on(tmp_path):
         assert got["filter"] == filt and reason in got["reason"], got
         assert got["stage"] == "render" and got["source_file"] == "part-00000.parquet" and got["payload"]
     assert len(rejects) == len(bad)
-    assert m["rejected"] == {"parse": 5} and m["filters"]["dropped"] == {
+    assert m["rejected"] == {"parse": 6} and m["filters"]["dropped"] == {
         "empty_answer": 1, "reasoning_leak": 1, "tool_args": 1, "truncated": 1}
 
 
@@ -330,7 +338,7 @@ def test_filters_alone_and_scores_are_columns(tmp_path):
     write_generations(tmp_path, good_rows() + [b[0] for b in bad_rows()])
     run = RunDir.at(tmp_path)
     summary = filter_responses(k3_cfg(), run, progress=False)
-    assert summary["counts"]["kept"] == len(good_rows()) + 5
+    assert summary["counts"]["kept"] == len(good_rows()) + 6  # the 6 parse rejects pass the response filters
     table = pq.read_table(run.shards / "responses.parquet")
     assert {"score_truncated", "score_repetition", "score_language", "keep", "reason"} <= set(table.column_names)
 

@@ -21,7 +21,7 @@ from regen.render.renderer import Rendered
 from regen.render.kimi_k3.tokenizer import KimiTokenizer, load_tokenizer
 
 RENDERER_NAME = "kimi-k3"
-RENDERER_VERSION = "1"  # bump whenever output ids or spans can change
+RENDERER_VERSION = "2"  # bump whenever output ids or spans can change (2: notes in the prompt of a sample)
 
 MASK_POLICIES: dict[str, frozenset[str]] = {
     "spec": frozenset({GENERATED}),
