@@ -2,8 +2,9 @@
 
 Per row: rebuild the conversation (`messages` + the generated assistant message), check it (roles in order,
 tool results matched to calls, arguments that are JSON objects, known content parts, reasoning present when
-required), render it with the target's renderer, take the span of the last assistant message (the generated
-turn; loss on that turn only), then:
+required), render it with the target's renderer as the sample of its last turn (`render(..., last_only=True)`:
+the generation prompt of `messages[:-1]` tokenized alone, then the generated answer tokenized alone; issue #11
+point 4), take that span (loss on the generated turn only), then:
 
 - server ids win (issue #4 point 4): with `completion_token_ids`, the span's tokens are replaced by them
   verbatim, minus a trailing end token the mask does not supervise (e.g. `<|end_of_msg|>`, EOS), plus the

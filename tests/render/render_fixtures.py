@@ -8,7 +8,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from schemas.generation import GENERATION_SCHEMA
-from schemas.io import write_parquet_atomic
+from schemas.io import write_json_atomic, write_parquet_atomic
 from schemas.messages import message_to_arrow
 
 SPECIALS = ["<bos>", "<eos>", "<pad>", "<start_of_turn>", "<end_of_turn>", "<|im_start|>", "<|im_end|>"]
@@ -81,14 +81,20 @@ def generation_row(prompt_id: str, turn: int, messages: list[dict], *, content="
     return row
 
 
-def write_generations(run_root: Path, rows: list[dict], parts: int = 1) -> list[Path]:
-    """Write `rows` as `generations/part-*.parquet` (split over `parts` files) under `run_root`."""
+def write_generations(run_root: Path, rows: list[dict], parts: int = 1, *, finished: bool = True) -> list[Path]:
+    """Write `rows` as `generations/part-*.parquet` (split over `parts` files) under `run_root`; `finished`: also
+    a generate manifest saying the stage finished (complete, balanced accounting), as `regen generate` writes it."""
     out = []
     for p in range(parts):
         chunk = rows[p::parts]
         path = Path(run_root) / "generations" / f"part-{p:05d}.parquet"
         write_parquet_atomic(pa.Table.from_pylist(chunk, schema=GENERATION_SCHEMA), path, GENERATION_SCHEMA)
         out.append(path)
+    if finished:
+        n = len(rows)
+        write_json_atomic({"stage": "generate", "complete": True, "accounting": {
+            "units": n, "rows": n, "missing": 0, "duplicates": 0, "stray": 0, "balanced": True}},
+            Path(run_root) / "generations" / "manifest.json")
     return out
 
 

@@ -364,16 +364,97 @@ def test_over_long_filter_uses_the_server_ids_lengths(tmp_path):
     assert m["filters"]["dropped"] == {"over_long": 1}
 
 
+FINISHED = {"complete": True, "accounting": {"balanced": True, "missing": 0, "duplicates": 0, "stray": 0}}
+
+
 def test_generation_parts_come_from_the_generate_manifest(tmp_path):
     from schemas.io import write_json_atomic
 
     write_generations(tmp_path, good_rows()[:2], parts=2)
     run = RunDir.at(tmp_path)
-    write_json_atomic({"stage": "generate", "parts": [{"path": "part-00001.parquet"}]}, run.generations / "manifest.json")
+    write_json_atomic({"stage": "generate", "parts": [{"path": "part-00001.parquet"}], **FINISHED},
+                      run.generations / "manifest.json")
     m = run_render(k3_cfg(), run, progress=False)
     assert m["input"]["files"] == ["part-00001.parquet"] and m["num_rows"] == 1
-    write_json_atomic({"stage": "generate", "parts": [{"path": "part-00009.parquet"}]}, run.generations / "manifest.json")
+    write_json_atomic({"stage": "generate", "parts": [{"path": "part-00009.parquet"}], **FINISHED},
+                      run.generations / "manifest.json")
     from regen.errors import InputError
 
     with pytest.raises(InputError, match="part-00009.parquet"):
         run_render(k3_cfg(), run, progress=False)
+
+
+# -- issue #11 point 11: render of an unfinished generate stage ----------------------------------------------
+
+UNFINISHED = [
+    ("no manifest", None, None, "manifest.json is missing"),
+    ("unbalanced: stray rows", {"stage": "generate", "complete": False, "accounting": {
+        "balanced": False, "missing": 0, "duplicates": 0, "stray": 3}}, None, "accounting is not balanced (stray 3)"),
+    ("unbalanced: missing rows", {"stage": "generate", "complete": False, "accounting": {
+        "balanced": False, "missing": 5, "duplicates": 2, "stray": 0}}, None, "missing 5, duplicates 2"),
+    ("balanced but not complete", {"stage": "generate", "complete": False, "accounting": {"balanced": True}}, None,
+     "complete is False"),
+    ("no accounting", {"stage": "generate", "complete": True}, None, "no accounting recorded"),
+    ("journal left by a killed session", {"stage": "generate", **FINISHED}, '{"prompt_id": "x"}\n',
+     "journal-w0.jsonl"),
+]
+
+
+def unfinished_run(tmp_path, manifest, journal) -> RunDir:
+    write_generations(tmp_path, good_rows()[:3], finished=False)
+    run = RunDir.at(tmp_path)
+    if manifest is not None:
+        from schemas.io import write_json_atomic
+
+        write_json_atomic(manifest, run.generations / "manifest.json")
+    if journal is not None:
+        (run.generations / "journal-w0.jsonl").write_text(journal)
+    return run
+
+
+@pytest.mark.parametrize("case,manifest,journal,match", UNFINISHED, ids=[u[0] for u in UNFINISHED])
+def test_unfinished_generation_is_refused_with_what_is_missing(tmp_path, case, manifest, journal, match):
+    from regen.errors import InputError
+
+    run = unfinished_run(tmp_path, manifest, journal)
+    with pytest.raises(InputError) as err:
+        run_render(k3_cfg(), run, progress=False)
+    assert match in str(err.value) and "regen generate --run" in str(err.value) and "--allow-incomplete" in str(err.value)
+    assert not (run.shards / "manifest.json").exists() and not list(run.shards.glob("shard-*.parquet"))
+
+
+@pytest.mark.parametrize("case,manifest,journal,match", UNFINISHED, ids=[u[0] for u in UNFINISHED])
+def test_allow_incomplete_renders_what_is_there_and_records_it(tmp_path, case, manifest, journal, match):
+    run = unfinished_run(tmp_path, manifest, journal)
+    m = run_render(k3_cfg(), run, progress=False, allow_incomplete=True)
+    assert m["num_rows"] == 3
+    g = m["generations"]
+    assert g["complete"] is False and g["allowed_incomplete"] is True and any(match in p for p in g["problems"])
+    assert run.manifest(run.shards)["generations"] == g
+
+
+def test_a_finished_generation_renders_and_a_finished_rerun_replaces_an_incomplete_render(tmp_path):
+    run = unfinished_run(tmp_path, None, None)
+    first = run_render(k3_cfg(), run, progress=False, allow_incomplete=True)
+    assert first["generations"]["complete"] is False
+    write_generations(tmp_path, good_rows()[:3])  # generate finished: same parts, now with its manifest
+    m = run_render(k3_cfg(), run, progress=False)
+    assert m["generations"] == {"complete": True, "allowed_incomplete": False, "problems": []}
+    assert m["num_rows"] == 3
+
+
+def test_cli_refuses_then_renders_with_allow_incomplete(tmp_path, capsys):
+    from regen.cli import main as cli
+
+    run = unfinished_run(tmp_path, {"stage": "generate", "complete": False, "accounting": {
+        "balanced": False, "missing": 0, "duplicates": 0, "stray": 3}}, None)
+    args = ["render", "--profile", "kimi-k3", "--run", str(run.root), "--no-progress",
+            "--set", "render.require_reasoning=false", "--set", "render.tokenizer=null"]
+    assert cli(args) == 2
+    err = capsys.readouterr().err
+    assert "unfinished" in err and "stray 3" in err and "--allow-incomplete" in err and "Traceback" not in err
+    assert cli(args + ["--filters-only"]) == 2
+    capsys.readouterr()
+    assert cli(args + ["--allow-incomplete"]) == 0
+    assert "UNFINISHED" in capsys.readouterr().err
+    assert run.manifest(run.shards)["generations"]["allowed_incomplete"] is True
