@@ -4,6 +4,16 @@ In:  generation rows (read through `schemas.generation`), the target's tokenizer
 Out: token shards with `input_ids` and an assistant-only `loss_mask`, `shards/manifest.json` stating the
      training contract (tokenizer hash, renderer, max length, mask policy), `rejected/render/`.
 
+A sample's ids (issue #11 point 4): the prompt ids exactly as the target saw them, then the answer's ids, turn by
+turn. Prompt = the generation prompt (`messages[:k]` + `add_generation_prompt=True`) rendered and tokenized alone,
+or the server's `prompt_token_ids`; answer = its text tokenized alone, or the server's `completion_token_ids`;
+then the template's closing tail. No token straddles a prompt/answer boundary (`Renderer.render(...,
+last_only=True)` builds a row's sample; `render(messages[:k], add_generation_prompt=True).input_ids` is the prefix
+before turn k's answer). Renderers equal their reference on every input it accepts; unfit conversations are
+rejects with a reason (`rows.check_messages`), not renderer errors (point 5).
+Unfinished generation (point 11): `run_render` refuses unless the generate manifest is complete and balanced and
+no journal holds rows; `allow_incomplete=True` renders anyway and records it in the shards manifest.
+
 Modules, in reading order:
     renderer.py      the contract every target format implements (`Rendered`: ids + supervised spans)
     kimi_k3/         the Kimi-K3 format (shared/docs/kimi-k3-format.md): tokenizer, message rules, segments,

@@ -1,18 +1,28 @@
-"""Render any target that has a Hugging Face chat template, with an assistant mask that needs no template markers.
+"""Render any target that has a Hugging Face chat template, turn by turn, with an assistant mask over exactly the
+tokens the target generated.
 
 Loaded offline from a local directory with `tokenizer.json`/`tokenizer_config.json` (and optionally
-`chat_template.jinja`) through `transformers.AutoTokenizer`. Two ways to find what the target generated:
+`chat_template.jinja`) through `transformers.AutoTokenizer`.
 
-- `prefix` (works for every prefix-stable template): for each assistant message at index k, render
-  `messages[:k]` with `add_generation_prompt=True` (the prompt the target read) and `messages[:k+1]` without it
-  (the prompt plus the answer), and check each is a prefix of the next and of the whole conversation. The text
-  between them is the assistant's turn; it is supervised up to and including its last special token (the
-  end-of-turn marker the model emits, e.g. `<end_of_turn>`, `<|im_end|>`), and trailing template decoration
-  after that (a newline) is not. A template that rewrites history (e.g. drops earlier reasoning) is not
-  prefix-stable: `TemplateNotPrefixStable` names the message and the first differing character.
-  Ids are the text tokenized piece by piece at span boundaries (prompt, answer, gap, answer, ...), so the
-  mask covers exactly the answer's tokens, as a server that tokenizes the prompt and samples the answer sees it.
-- `markers` (templates with `{% generation %}` blocks): `apply_chat_template(return_assistant_tokens_mask=True)`.
+Turn by turn (issue #11 point 4). For each assistant message at index k, `pre` = `messages[:k]` rendered with
+`add_generation_prompt=True` (the prompt the target read) and `messages[:k+1]` without it must each be a prefix of
+the next and of the whole conversation; the answer is the text from `len(pre)` to its end. A template that rewrites
+history (e.g. drops earlier reasoning) is not prefix-stable: `TemplateNotPrefixStable` names the message and the
+first differing character. Where the answer ends (two ways):
+
+- `prefix` (every prefix-stable template): up to and including the answer's last special token (the end-of-turn
+  marker the model emits, e.g. `<end_of_turn>`, `<|im_end|>`); trailing decoration after it (a newline) is not
+  supervised.
+- `markers` (templates with `{% generation %}` blocks): the end of the message's block, from the same Jinja
+  rendering `apply_chat_template(return_assistant_tokens_mask=True)` uses (`render_jinja_template`); a block that
+  starts inside the generation prompt is clipped to it (the target did not generate the prompt).
+
+Ids: the text is tokenized piece by piece at the cuts (prompt, answer, tail + next prompt, answer, ...), never in
+one pass, so no token straddles a prompt/answer boundary: with Gemma's template, an answer "\nHello" after
+"...<start_of_turn>model\n" is ids(prompt) + ids("\nHello<end_of_turn>"), not a merged "\n\n" token. Hence
+`render(messages[:k], add_generation_prompt=True).input_ids == render(messages).input_ids[:start_k]` for every k,
+and with `last_only=True` the prompt before the last answer is one piece: the generation prompt tokenized alone, as
+an OpenAI-compatible server tokenizes it.
 
 `mask="auto"` uses the markers when the template has them, else prefixes.
 Source: transformers `apply_chat_template` (chat templating docs, "assistant_masks"); issue #4 point 3.
@@ -66,7 +76,7 @@ class HFTemplateRenderer:
     """
 
     name = "hf"
-    version = "1"
+    version = "2"  # 2: prompt and answer tokenized apart at the generation prompt (issue #11 point 4)
 
     def __init__(self, path: str | os.PathLike, mask: str = "auto"):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -111,21 +121,22 @@ class HFTemplateRenderer:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     def render(self, messages: list[dict], tools: list[dict] | None = None, *, last_only: bool = False,
-               with_text: bool = True, **template_kwargs) -> Rendered:
+               **template_kwargs) -> Rendered:
         """Render `messages` (+ `tools`) with the chat template; one span per assistant message.
 
         `add_generation_prompt=True` appends the generation prompt after the last message (no span for it).
-        `last_only=True` (prefix path): only the last assistant message gets a span and only its prefixes are
-        checked, so a template that rewrites earlier turns (e.g. drops their reasoning) still renders a row
-        whose history is "as the template renders it" and whose answer is what the target generated last.
-        `with_text=False` (marker path) skips the second template pass that only produces `Rendered.text` ("").
-        Raises TemplateNotPrefixStable (prefix path) or InputError (marker path: runs != assistant messages).
+        `last_only=True`: only the last assistant message gets a span and only its prefixes are checked, so a
+        template that rewrites earlier turns (e.g. drops their reasoning) still renders a row whose history is "as
+        the template renders it"; ids = the generation prompt tokenized alone + the answer tokenized alone + the
+        tail tokenized alone (the training sample of that turn).
+        Raises TemplateNotPrefixStable or InputError (marker path: blocks != assistant messages).
         """
         gen_prompt = bool(template_kwargs.pop("add_generation_prompt", False))
         template_kwargs.pop("tokenize", None)
-        if self.mask == "markers":
-            return self._render_markers(messages, tools, gen_prompt, template_kwargs, with_text)
-        return self._render_prefix(messages, tools, gen_prompt, template_kwargs, last_only)
+        full = self._text(messages, tools, gen_prompt, template_kwargs)
+        blocks = (self._generation_blocks(messages, tools, gen_prompt, template_kwargs, full)
+                  if self.mask == "markers" else None)
+        return self._render_turns(messages, tools, template_kwargs, full, last_only, blocks)
 
     # -- helpers ---------------------------------------------------------------------------------------------
 
@@ -143,12 +154,38 @@ class HFTemplateRenderer:
                 best = max(best, i + len(s))
         return best if best >= 0 else len(answer)
 
-    def _render_prefix(self, messages, tools, gen_prompt: bool, kwargs: dict, last_only: bool = False) -> Rendered:
-        full = self._text(messages, tools, gen_prompt, kwargs)
-        char_spans: list[tuple[int, int]] = []
-        last_end = 0
+    def _generation_blocks(self, messages, tools, gen_prompt: bool, kwargs: dict, full: str) -> list[tuple[int, int]]:
+        """Char spans of the template's `{% generation %}` blocks in `full` (one per assistant message), from the
+        same Jinja rendering `apply_chat_template(return_assistant_tokens_mask=True)` uses. Raises InputError when
+        that rendering differs from `full` or the block count differs from the assistant count."""
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        chat = [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m for m in messages]
+        texts, blocks = render_jinja_template(
+            conversations=[chat], tools=tools or None, chat_template=self.tokenizer.get_chat_template(None, tools),
+            return_assistant_tokens_mask=True, add_generation_prompt=gen_prompt,
+            **{**self.tokenizer.special_tokens_map, **kwargs},
+        )
+        num_assistant = sum(1 for m in messages if isinstance(m, dict) and m.get("role") == "assistant")
+        if texts[0] != full or len(blocks[0]) != num_assistant:
+            raise InputError(
+                f"chat template of {self.tokenizer_name}: {{% generation %}} marked {len(blocks[0])} blocks for "
+                f"{num_assistant} assistant messages; use render.hf_mask=prefix for this template"
+            )
+        return list(blocks[0])
+
+    def _render_turns(self, messages, tools, kwargs: dict, full: str, last_only: bool,
+                      blocks: list[tuple[int, int]] | None) -> Rendered:
+        """Turn by turn (issue #11 point 4): for each assistant message k, `pre` = messages[:k] rendered alone
+        with the generation prompt (what the target read) must be a prefix of the conversation; the answer
+        starts at `len(pre)` and ends at its `{% generation %}` block's end (`blocks`) or its last special token.
+        Ids: the text tokenized piece by piece at those cuts, so no token straddles a prompt/answer boundary."""
         assistant = [k for k, m in enumerate(messages) if m.get("role") == "assistant"]
-        for k in assistant[-1:] if last_only else assistant:
+        chosen = assistant[-1:] if last_only else assistant
+        cuts = [0]
+        span_cuts: list[tuple[int, int]] = []
+        last_end = 0
+        for k in chosen:
             pre = self._text(messages[:k], tools, True, kwargs) if k else ""
             post = self._text(messages[: k + 1], tools, False, kwargs)
             for a, b, what in ((pre, post, f"messages[:{k}] + generation prompt is not a prefix of messages[:{k + 1}]"),
@@ -158,50 +195,29 @@ class HFTemplateRenderer:
                     raise TemplateNotPrefixStable(
                         f"chat template of {self.tokenizer_name} is not prefix-stable at message {k}: {what}; "
                         f"first difference at char {i}: {a[max(0, i - 40):i + 40]!r} vs {b[max(0, i - 40):i + 40]!r}. "
-                        f"Use a template that keeps history as rendered (or one with {{% generation %}} markers)"
+                        f"The prompt the target read must be a prefix of the row: use a template that keeps history "
+                        f"as rendered"
                     )
             if len(pre) < last_end:
                 raise TemplateNotPrefixStable(
                     f"chat template of {self.tokenizer_name}: the prompt for message {k} ends before the previous "
                     f"assistant turn does (char {len(pre)} < {last_end})"
                 )
-            end = len(pre) + self.answer_end(post[len(pre):])
-            char_spans.append((len(pre), end))
+            if blocks is not None:
+                b_start, b_end = blocks[assistant.index(k)]
+                start, end = max(b_start, len(pre)), max(b_end, len(pre))
+            else:
+                start, end = len(pre), len(pre) + self.answer_end(post[len(pre):])
+            cuts += [len(pre), start, end]
+            span_cuts.append((start, end))
             last_end = end
-        cuts = [0]
-        for s, e in char_spans:
-            cuts += [s, e]
         cuts.append(len(full))
-        pieces = [full[cuts[i]:cuts[i + 1]] for i in range(len(cuts) - 1)]
+        bounds = sorted(set(cuts))
+        pieces = [full[bounds[i]:bounds[i + 1]] for i in range(len(bounds) - 1)]
         encoded = self.tokenizer(pieces, add_special_tokens=False)["input_ids"] if pieces else []
         ids: list[int] = []
-        spans: list[tuple[int, int]] = []
-        for i, piece_ids in enumerate(encoded):
-            start = len(ids)
+        at: dict[int, int] = {0: 0}  # char cut -> token index
+        for b, piece_ids in zip(bounds[1:], encoded):
             ids.extend(piece_ids)
-            if i % 2 == 1:  # odd pieces are assistant answers
-                spans.append((start, len(ids)))
-        return Rendered(full, ids, spans)
-
-    def _render_markers(self, messages, tools, gen_prompt: bool, kwargs: dict, with_text: bool = True) -> Rendered:
-        out = self.tokenizer.apply_chat_template(
-            messages, tools=tools or None, tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
-            add_generation_prompt=gen_prompt, **kwargs,
-        )
-        ids = list(out["input_ids"])
-        mask = list(out["assistant_masks"])
-        spans: list[tuple[int, int]] = []
-        start = None
-        for i, m in enumerate(mask + [0]):
-            if m and start is None:
-                start = i
-            elif not m and start is not None:
-                spans.append((start, i))
-                start = None
-        num_assistant = sum(1 for m in messages if m.get("role") == "assistant")
-        if len(spans) != num_assistant:
-            raise InputError(
-                f"chat template of {self.tokenizer_name}: {{% generation %}} marked {len(spans)} runs for "
-                f"{num_assistant} assistant messages; use render.hf_mask=prefix for this template"
-            )
-        return Rendered(self._text(messages, tools, gen_prompt, kwargs) if with_text else "", ids, spans)
+            at[b] = len(ids)
+        return Rendered(full, ids, [(at[s], at[e]) for s, e in span_cuts])

@@ -3,6 +3,12 @@
 A renderer turns OpenAI-style `messages` (+ `tools` and the template's keyword arguments) into token ids and,
 for each assistant message, the half-open token span the target generated for it (the supervised span under the
 default policy). The loss mask is built from those spans, never by re-encoding text.
+
+Ids are built turn by turn (issue #11 point 4): for each assistant message k, the ids before its span equal
+`render(messages[:k], add_generation_prompt=True).input_ids` (the prompt the target read, tokenized without the
+answer), and the span holds the answer tokenized on its own, so no token straddles the boundary. With
+`last_only=True` (a training row) only the last assistant message gets a span and the prompt before it is the
+generation prompt of `messages[:-1]` rendered alone (Kimi-K3: its tool-choice/response-format notes included).
 """
 from __future__ import annotations
 
@@ -39,7 +45,8 @@ class Renderer(Protocol):
     tokenizer_name: str
     tokenizer_hash: str  # sha256 of the tokenizer file(s)
 
-    def render(self, messages: list[dict], tools: list[dict] | None = None, **template_kwargs) -> Rendered: ...
+    def render(self, messages: list[dict], tools: list[dict] | None = None, *, last_only: bool = False,
+               **template_kwargs) -> Rendered: ...
 
     def encode(self, text: str) -> list[int]: ...
 

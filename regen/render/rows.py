@@ -2,8 +2,9 @@
 
 Per row: rebuild the conversation (`messages` + the generated assistant message), check it (roles in order,
 tool results matched to calls, arguments that are JSON objects, known content parts, reasoning present when
-required), render it with the target's renderer, take the span of the last assistant message (the generated
-turn; loss on that turn only), then:
+required), render it with the target's renderer as the sample of its last turn (`render(..., last_only=True)`:
+the generation prompt of `messages[:-1]` tokenized alone, then the generated answer tokenized alone; issue #11
+point 4), take that span (loss on the generated turn only), then:
 
 - server ids win (issue #4 point 4): with `completion_token_ids`, the span's tokens are replaced by them
   verbatim, minus a trailing end token the mask does not supervise (e.g. `<|end_of_msg|>`, EOS), plus the
@@ -202,7 +203,7 @@ class RowRenderer:
         self.renderer, self.cfg, self.contract_hash = renderer, cfg, contract_hash
         self.allowed_kwargs = KIMI_TEMPLATE_KWARGS if renderer.name == "kimi-k3" else ()
         # rows supervise the last turn only: an HF template need only be prefix-stable up to it
-        self.render_options = {"last_only": True, "with_text": False} if renderer.name == "hf" else {}
+        self.render_options = {"last_only": True}  # the sample of the last turn (see module doc)
         self.closing, self.strip = self._closing_and_strip()
         self.counts: Counter = Counter()
         self.drift = {"rows_checked": 0, "rows_drifted": 0, "causes": Counter()}

@@ -8,6 +8,15 @@ stdout: JSON `{"text", "ids", "loss_mask"}` (`ids`: int token ids, `loss_mask`: 
 turn supervised); `--pretty`: the text with supervised spans between ⟦ ⟧ (green on a terminal) and a summary;
 `--tokens`: one line per token (position, id, mask, text).
 
+Input policy (issue #11 points 6, 14): stdin must be UTF-8 JSON whose strings hold characters only. Invalid UTF-8,
+a lone surrogate (`"\ud800"`), a C0 control character other than tab, LF and CR (NUL included, raw or escaped),
+or nesting deeper than MAX_DEPTH levels is an InputError naming the place (line/column, or the JSON path such as
+`messages[0].content`): exit 2 with a message, never a traceback and never replacement characters.
+
+With Kimi-K3, a conversation the reference renders but a training row must not contain (roles out of order, a tool
+result without a matching call, ...) is rendered as the reference does, and each problem is reported on stderr
+(`regen.render.kimi_k3.messages.row_problems`; the render stage rejects such rows with the reason).
+
 Kimi-K3 without a real tokenizer (`--tokenizer DIR` or `render.tokenizer`) uses the project's TEST vocabulary
 and says so on stderr: control ids are Kimi's, text ids are not.
 """
@@ -31,12 +40,70 @@ def add_arguments(parser) -> None:
     parser.add_argument("--tokens", action="store_true", help="show one line per token: position, id, mask, text")
 
 
-def read_request(stream) -> tuple[list, list | None, dict]:
-    """Parse the stdin JSON -> (messages, tools, kwargs). Raises InputError naming the field and the fix."""
+MAX_DEPTH = 100  # JSON nesting levels; deeper input is refused before any recursive code sees it
+ALLOWED_CONTROLS = frozenset("\t\n\r")
+
+
+def _decode_stdin(stream) -> str:
+    """stdin as text: bytes decoded as strict UTF-8 (a BOM dropped). Raises InputError naming the bad byte."""
+    raw = stream.buffer.read() if hasattr(stream, "buffer") else stream.read()
+    if isinstance(raw, str):
+        return raw
     try:
-        payload = json.load(stream)
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        col = exc.start - (raw.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise InputError(f"stdin is not valid UTF-8: byte 0x{raw[exc.start]:02x} at line {line}, column {col} (byte "
+                         f"offset {exc.start}); re-encode the input as UTF-8 (e.g. `iconv -f latin1 -t utf-8`)") from None
+
+
+def _bad_char(text: str) -> str | None:
+    """A description of the first character that is not allowed in a string, or None."""
+    for i, ch in enumerate(text):
+        o = ord(ch)
+        if 0xD800 <= o <= 0xDFFF:
+            return f"a lone surrogate \\u{o:04x} at char {i} (not a character; fix the escape or the encoding)"
+        if o < 0x20 and ch not in ALLOWED_CONTROLS:
+            return (f"the control character U+{o:04X} at char {i} (only tab, LF and CR are allowed; remove it or "
+                    "escape it as text)")
+    return None
+
+
+def check_payload(payload) -> None:
+    """Refuse lone surrogates, C0 controls (but tab/LF/CR) in any string or key, and nesting deeper than MAX_DEPTH.
+    Iterative, so hostile depth cannot overflow the stack. Raises InputError naming the JSON path."""
+    stack = [(payload, "stdin", 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise InputError(f"stdin JSON is nested deeper than {MAX_DEPTH} levels (at {path}); flatten the input")
+        if isinstance(value, str):
+            bad = _bad_char(value)
+            if bad:
+                raise InputError(f"stdin JSON {path} holds {bad}")
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                bad = _bad_char(k)
+                if bad:
+                    raise InputError(f"stdin JSON key {k!r} in {path} holds {bad}")
+                stack.append((v, f"{path}.{k}" if path != "stdin" else k, depth + 1))
+        elif isinstance(value, list):
+            stack.extend((v, f"{path}[{i}]", depth + 1) for i, v in enumerate(value))
+
+
+def read_request(stream) -> tuple[list, list | None, dict]:
+    """Parse the stdin JSON -> (messages, tools, kwargs). Raises InputError naming the field and the fix (see the
+    module's input policy)."""
+    text = _decode_stdin(stream)
+    try:
+        payload = json.loads(text)
     except json.JSONDecodeError as exc:
         raise InputError(f"stdin is not JSON ({exc}); give {{\"messages\": [...], \"tools\": [...], \"kwargs\": {{}}}}") from None
+    except RecursionError:
+        raise InputError(f"stdin JSON is nested too deeply to parse (more than {MAX_DEPTH} levels are refused); "
+                         "flatten the input") from None
+    check_payload(payload)
     if not isinstance(payload, dict) or not isinstance(payload.get("messages"), list):
         raise InputError('stdin JSON needs a "messages" list, e.g. {"messages": [{"role": "user", "content": "Hi"}]}')
     tools, kwargs = payload.get("tools"), payload.get("kwargs") or {}
@@ -129,6 +196,12 @@ def main(args) -> int:
     except ValueError as exc:  # RenderError and template errors: a bad conversation, not a crash
         reason = getattr(exc, "reason", type(exc).__name__)
         raise InputError(f"stdin conversation cannot be rendered ({reason}): {exc}") from None
+    if renderer.name == "kimi-k3":
+        from regen.render.kimi_k3.messages import row_problems
+
+        for problem in row_problems(messages):
+            print(f"regen show-render: note: rendered as the reference does, but the render stage rejects such a row "
+                  f"({problem.reason}): {problem}", file=sys.stderr)
     mask = rendered.loss_mask()
     if args.tokens:
         for pos, (i, m, t) in enumerate(zip(rendered.input_ids, mask, token_texts(renderer, rendered.input_ids))):

@@ -12,6 +12,13 @@ Reads the generation parts listed in `generations/manifest.json` (else `generati
    (checks, renderer, server ids, limits) into `shards/shard-*.parquet` (`regen.render.shards`). Row rejects go to
    `rejected/render/part-render-NNNNN.parquet`, one part per checkpoint.
 
+Unfinished generation (issue #11 point 11): `run_render` first checks that the generate stage finished
+(`generation_status`): `generations/manifest.json` exists with `complete: true` and a balanced `accounting`
+(every (prompt, turn) unit has exactly one row: no missing, duplicate or stray row), and no journal holds rows
+not yet in a part. Otherwise it raises InputError naming what is missing and how to proceed (rerun
+`regen generate`), unless `allow_incomplete=True` (CLI `--allow-incomplete`): then it renders what is there and
+the shards manifest records it under `generations` (`complete: false`, `allowed_incomplete: true`, the problems).
+
 Order and resume: files in name order, rows of a file sorted by (prompt_id, turn, request_key). At every
 checkpoint (a shard closes, or 10,000 rejects are pending, or the end) the shard, the rejects part and the
 manifest (with a cursor: file index + rows consumed) are written atomically. A re-run with the same contract,
@@ -23,6 +30,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -83,6 +91,42 @@ def generation_files(run: RunDir) -> list[Path]:
     if not files:
         raise InputError(f"{run.generations}: no part-*.parquet; run `regen generate --run {run.root}` first")
     return files
+
+
+def generation_status(run: RunDir) -> dict:
+    """Whether the generate stage finished: {"complete": bool, "problems": [str], "accounting": dict | None}.
+
+    Complete: `generations/manifest.json` exists, says `complete: true` and `accounting.balanced: true`, and no
+    non-empty `journal-*.jsonl` is left (rows recorded but not yet in a part: a session running or killed)."""
+    gen = run.generations
+    manifest = run.manifest(gen)
+    problems: list[str] = []
+    acc = (manifest or {}).get("accounting") if isinstance((manifest or {}).get("accounting"), dict) else None
+    if not manifest:
+        problems.append(f"{gen}/manifest.json is missing: `regen generate` has not finished on this run (it writes "
+                        "the manifest last)")
+    else:
+        if acc is None or not acc.get("balanced"):
+            detail = ", ".join(f"{k} {acc[k]}" for k in ("missing", "duplicates", "stray") if (acc or {}).get(k))
+            problems.append(f"{gen}/manifest.json: accounting is not balanced ({detail or 'no accounting recorded'})")
+        if manifest.get("complete") is not True and (acc or {}).get("balanced"):
+            problems.append(f"{gen}/manifest.json: complete is {manifest.get('complete')!r}")
+    journals = [j.name for j in sorted(gen.glob("journal-*.jsonl")) if j.stat().st_size > 0]
+    if journals:
+        problems.append(f"{gen}: {journals} hold rows not yet in a part (a generate session is running or was "
+                        "killed)")
+    return {"complete": not problems, "problems": problems, "accounting": acc}
+
+
+def require_finished_generation(run: RunDir, allow_incomplete: bool = False) -> dict:
+    """`generation_status(run)`, or InputError when it is incomplete and `allow_incomplete` is False."""
+    status = generation_status(run)
+    if not status["complete"] and not allow_incomplete:
+        raise InputError(
+            "the generate stage of this run is unfinished: " + "; ".join(status["problems"]) + ". Rerun "
+            f"`regen generate --run {run.root}` until it exits 0 (recorded rows are not requested again), or pass "
+            "--allow-incomplete to render what is there (the shards manifest records that it is incomplete)")
+    return status
 
 
 def input_fingerprint(files: list[Path]) -> str:
@@ -234,12 +278,17 @@ def _clear_outputs(run: RunDir) -> None:
     (run.shards / "manifest.json").unlink(missing_ok=True)
 
 
-def run_render(cfg: RenderConfig, run: RunDir, *, progress: bool = True, force: bool = False) -> dict:
+def run_render(cfg: RenderConfig, run: RunDir, *, progress: bool = True, force: bool = False,
+               allow_incomplete: bool = False) -> dict:
     """Render the kept generations into shards; returns the shards manifest (also `shards/manifest.json`).
 
     Calls `filter_responses` first when its summary is missing or stale. Resumable (see module doc); `force`
-    starts over. Raises InputError for missing inputs or a bad tokenizer directory.
+    starts over. Raises InputError for an unfinished generate stage (unless `allow_incomplete`; see module doc),
+    missing inputs or a bad tokenizer directory.
     """
+    status = require_finished_generation(run, allow_incomplete)
+    generations = {"complete": status["complete"], "allowed_incomplete": not status["complete"],
+                   "problems": status["problems"]}
     filter_summary = filter_responses(cfg, run, progress=progress)
     files = generation_files(run)
     renderer = make_renderer(cfg)
@@ -250,13 +299,15 @@ def run_render(cfg: RenderConfig, run: RunDir, *, progress: bool = True, force: 
     fingerprint = filter_summary["input_fingerprint"]
     manifest = run.manifest(run.shards)
     same = bool(manifest) and manifest.get("contract_hash") == chash and manifest.get("config_hash") == cfg_hash \
-        and (manifest.get("input") or {}).get("fingerprint") == fingerprint
+        and (manifest.get("input") or {}).get("fingerprint") == fingerprint \
+        and (manifest.get("generations") or {}).get("complete") == generations["complete"]
     if same and manifest.get("complete") and not force:
         return manifest
     if not same or force:
         _clear_outputs(run)
         manifest = None
     state = _State(run, cfg, contract, chash, cfg_hash, fingerprint, filter_summary, manifest)
+    state.base["generations"] = generations
     rows_renderer = RowRenderer(renderer, cfg, chash)
     state.restore_counters(rows_renderer)
     selected = _selected_keys(run, cfg.turn_mode)
@@ -388,6 +439,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_profile_arguments(parser)
     parser.add_argument("--filters-only", action="store_true", help="run the response filters only")
     parser.add_argument("--force", action="store_true", help="render again from scratch")
+    parser.add_argument("--allow-incomplete", action="store_true",
+                        help="render although the generate stage is unfinished (recorded in shards/manifest.json)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -396,11 +449,15 @@ def main(args) -> int:
 
     profile, run = load_profile_from_args(args)
     cfg = profile.render
+    require_finished_generation(run, args.allow_incomplete)
     if args.filters_only:
         summary = filter_responses(cfg, run, progress=not args.no_progress)
         print(json.dumps(summary["counts"], indent=2))
         return 0
-    m = run_render(cfg, run, progress=not args.no_progress, force=args.force)
+    m = run_render(cfg, run, progress=not args.no_progress, force=args.force, allow_incomplete=args.allow_incomplete)
+    if not m["generations"]["complete"]:
+        print("regen render: warning: rendered an UNFINISHED generate stage (--allow-incomplete): "
+              + "; ".join(m["generations"]["problems"]), file=sys.stderr)
     _print_summary(m, run)
     return 0
 

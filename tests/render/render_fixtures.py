@@ -8,7 +8,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from schemas.generation import GENERATION_SCHEMA
-from schemas.io import write_parquet_atomic
+from schemas.io import write_json_atomic, write_parquet_atomic
 from schemas.messages import message_to_arrow
 
 SPECIALS = ["<bos>", "<eos>", "<pad>", "<start_of_turn>", "<end_of_turn>", "<|im_start|>", "<|im_end|>"]
@@ -46,17 +46,20 @@ CORPUS = [
 ]
 
 
-def train_tokenizer_json(path: Path) -> None:
+def train_tokenizer_json(path: Path, corpus: list[str] | None = None, *, split_words: bool = True) -> None:
+    """A tiny byte-level BPE `tokenizer.json`. `split_words=False` trains without the GPT-2 word split, so merges
+    cross whitespace and punctuation (like SentencePiece: "\n\n", "l\n", ".\n") and a one-pass tokenization can
+    merge a template's tail with an answer's head."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=split_words)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=700, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(CORPUS * 20, trainer)
+    tok.train_from_iterator((corpus or CORPUS) * 20, trainer)
     tok.save(str(path))
 
 
@@ -78,14 +81,20 @@ def generation_row(prompt_id: str, turn: int, messages: list[dict], *, content="
     return row
 
 
-def write_generations(run_root: Path, rows: list[dict], parts: int = 1) -> list[Path]:
-    """Write `rows` as `generations/part-*.parquet` (split over `parts` files) under `run_root`."""
+def write_generations(run_root: Path, rows: list[dict], parts: int = 1, *, finished: bool = True) -> list[Path]:
+    """Write `rows` as `generations/part-*.parquet` (split over `parts` files) under `run_root`; `finished`: also
+    a generate manifest saying the stage finished (complete, balanced accounting), as `regen generate` writes it."""
     out = []
     for p in range(parts):
         chunk = rows[p::parts]
         path = Path(run_root) / "generations" / f"part-{p:05d}.parquet"
         write_parquet_atomic(pa.Table.from_pylist(chunk, schema=GENERATION_SCHEMA), path, GENERATION_SCHEMA)
         out.append(path)
+    if finished:
+        n = len(rows)
+        write_json_atomic({"stage": "generate", "complete": True, "accounting": {
+            "units": n, "rows": n, "missing": 0, "duplicates": 0, "stray": 0, "balanced": True}},
+            Path(run_root) / "generations" / "manifest.json")
     return out
 
 

@@ -55,6 +55,14 @@ def bad_rows() -> list[dict]:
         (generation_row("b-tool", 0, [U1, {"role": "tool", "tool_call_id": "zz", "content": "5"}],
                         content="An answer to a tool result nobody asked for.", reasoning_content="x"),
          "parse", "tool_result_without_call: messages[1]"),
+        # issue #11 point 5: the Kimi-K3 renderer renders this as the reference does; validation rejects it
+        (generation_row("b-tool-after-user", 0, [
+            U1, {"role": "assistant", "content": "", "reasoning_content": "r", "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "5"}, {"role": "user", "content": "And now?"},
+            {"role": "tool", "tool_call_id": "zz", "name": "add", "content": "6"}], tools=TOOLS,
+            content="An answer after a stray tool result.", reasoning_content="x"),
+         "parse", "tool_result_without_call: messages[4]"),
         (generation_row("b-noreason", 0, [U1], content="An answer whose reasoning the server lost.",
                         reasoning_content=None), "parse", "no_reasoning: messages[1]"),
         (generation_row("b-args", 0, [U1, {"role": "assistant", "content": "", "reasoning_content": "r",
@@ -139,7 +147,7 @@ def test_bad_rows_are_rejected_with_reasons_and_the_run_goes_on(tmp_path):
         assert got["filter"] == filt and reason in got["reason"], got
         assert got["stage"] == "render" and got["source_file"] == "part-00000.parquet" and got["payload"]
     assert len(rejects) == len(bad)
-    assert m["rejected"] == {"parse": 5} and m["filters"]["dropped"] == {
+    assert m["rejected"] == {"parse": 6} and m["filters"]["dropped"] == {
         "empty_answer": 1, "reasoning_leak": 1, "tool_args": 1, "truncated": 1}
 
 
@@ -330,7 +338,7 @@ def test_filters_alone_and_scores_are_columns(tmp_path):
     write_generations(tmp_path, good_rows() + [b[0] for b in bad_rows()])
     run = RunDir.at(tmp_path)
     summary = filter_responses(k3_cfg(), run, progress=False)
-    assert summary["counts"]["kept"] == len(good_rows()) + 5
+    assert summary["counts"]["kept"] == len(good_rows()) + 6  # the 6 parse rejects pass the response filters
     table = pq.read_table(run.shards / "responses.parquet")
     assert {"score_truncated", "score_repetition", "score_language", "keep", "reason"} <= set(table.column_names)
 
@@ -356,16 +364,97 @@ def test_over_long_filter_uses_the_server_ids_lengths(tmp_path):
     assert m["filters"]["dropped"] == {"over_long": 1}
 
 
+FINISHED = {"complete": True, "accounting": {"balanced": True, "missing": 0, "duplicates": 0, "stray": 0}}
+
+
 def test_generation_parts_come_from_the_generate_manifest(tmp_path):
     from schemas.io import write_json_atomic
 
     write_generations(tmp_path, good_rows()[:2], parts=2)
     run = RunDir.at(tmp_path)
-    write_json_atomic({"stage": "generate", "parts": [{"path": "part-00001.parquet"}]}, run.generations / "manifest.json")
+    write_json_atomic({"stage": "generate", "parts": [{"path": "part-00001.parquet"}], **FINISHED},
+                      run.generations / "manifest.json")
     m = run_render(k3_cfg(), run, progress=False)
     assert m["input"]["files"] == ["part-00001.parquet"] and m["num_rows"] == 1
-    write_json_atomic({"stage": "generate", "parts": [{"path": "part-00009.parquet"}]}, run.generations / "manifest.json")
+    write_json_atomic({"stage": "generate", "parts": [{"path": "part-00009.parquet"}], **FINISHED},
+                      run.generations / "manifest.json")
     from regen.errors import InputError
 
     with pytest.raises(InputError, match="part-00009.parquet"):
         run_render(k3_cfg(), run, progress=False)
+
+
+# -- issue #11 point 11: render of an unfinished generate stage ----------------------------------------------
+
+UNFINISHED = [
+    ("no manifest", None, None, "manifest.json is missing"),
+    ("unbalanced: stray rows", {"stage": "generate", "complete": False, "accounting": {
+        "balanced": False, "missing": 0, "duplicates": 0, "stray": 3}}, None, "accounting is not balanced (stray 3)"),
+    ("unbalanced: missing rows", {"stage": "generate", "complete": False, "accounting": {
+        "balanced": False, "missing": 5, "duplicates": 2, "stray": 0}}, None, "missing 5, duplicates 2"),
+    ("balanced but not complete", {"stage": "generate", "complete": False, "accounting": {"balanced": True}}, None,
+     "complete is False"),
+    ("no accounting", {"stage": "generate", "complete": True}, None, "no accounting recorded"),
+    ("journal left by a killed session", {"stage": "generate", **FINISHED}, '{"prompt_id": "x"}\n',
+     "journal-w0.jsonl"),
+]
+
+
+def unfinished_run(tmp_path, manifest, journal) -> RunDir:
+    write_generations(tmp_path, good_rows()[:3], finished=False)
+    run = RunDir.at(tmp_path)
+    if manifest is not None:
+        from schemas.io import write_json_atomic
+
+        write_json_atomic(manifest, run.generations / "manifest.json")
+    if journal is not None:
+        (run.generations / "journal-w0.jsonl").write_text(journal)
+    return run
+
+
+@pytest.mark.parametrize("case,manifest,journal,match", UNFINISHED, ids=[u[0] for u in UNFINISHED])
+def test_unfinished_generation_is_refused_with_what_is_missing(tmp_path, case, manifest, journal, match):
+    from regen.errors import InputError
+
+    run = unfinished_run(tmp_path, manifest, journal)
+    with pytest.raises(InputError) as err:
+        run_render(k3_cfg(), run, progress=False)
+    assert match in str(err.value) and "regen generate --run" in str(err.value) and "--allow-incomplete" in str(err.value)
+    assert not (run.shards / "manifest.json").exists() and not list(run.shards.glob("shard-*.parquet"))
+
+
+@pytest.mark.parametrize("case,manifest,journal,match", UNFINISHED, ids=[u[0] for u in UNFINISHED])
+def test_allow_incomplete_renders_what_is_there_and_records_it(tmp_path, case, manifest, journal, match):
+    run = unfinished_run(tmp_path, manifest, journal)
+    m = run_render(k3_cfg(), run, progress=False, allow_incomplete=True)
+    assert m["num_rows"] == 3
+    g = m["generations"]
+    assert g["complete"] is False and g["allowed_incomplete"] is True and any(match in p for p in g["problems"])
+    assert run.manifest(run.shards)["generations"] == g
+
+
+def test_a_finished_generation_renders_and_a_finished_rerun_replaces_an_incomplete_render(tmp_path):
+    run = unfinished_run(tmp_path, None, None)
+    first = run_render(k3_cfg(), run, progress=False, allow_incomplete=True)
+    assert first["generations"]["complete"] is False
+    write_generations(tmp_path, good_rows()[:3])  # generate finished: same parts, now with its manifest
+    m = run_render(k3_cfg(), run, progress=False)
+    assert m["generations"] == {"complete": True, "allowed_incomplete": False, "problems": []}
+    assert m["num_rows"] == 3
+
+
+def test_cli_refuses_then_renders_with_allow_incomplete(tmp_path, capsys):
+    from regen.cli import main as cli
+
+    run = unfinished_run(tmp_path, {"stage": "generate", "complete": False, "accounting": {
+        "balanced": False, "missing": 0, "duplicates": 0, "stray": 3}}, None)
+    args = ["render", "--profile", "kimi-k3", "--run", str(run.root), "--no-progress",
+            "--set", "render.require_reasoning=false", "--set", "render.tokenizer=null"]
+    assert cli(args) == 2
+    err = capsys.readouterr().err
+    assert "unfinished" in err and "stray 3" in err and "--allow-incomplete" in err and "Traceback" not in err
+    assert cli(args + ["--filters-only"]) == 2
+    capsys.readouterr()
+    assert cli(args + ["--allow-incomplete"]) == 0
+    assert "UNFINISHED" in capsys.readouterr().err
+    assert run.manifest(run.shards)["generations"]["allowed_incomplete"] is True

@@ -9,14 +9,17 @@ supervised spans (§6) without re-encoding text.
 Decisions where the spec leaves a choice (§2, §8):
 - `thinking_effort="medium"` raises RenderError, as ENC (the checkpoint's `encoding_k3.py`) does; pass
   `effort_aliases={"medium": "high", "xhigh": "max"}` for FW's remapping.
-- Roles other than system/user/assistant/tool raise RenderError (`unknown_roles="error"`): ENC skips them
-  silently, which drops content without a trace; `unknown_roles="skip"` reproduces ENC.
+- The output equals ENC's on every input ENC accepts, and RenderError is raised only where ENC raises
+  (`messages.check_renderable`; issue #11 point 5): roles other than system/user/assistant/tool and non-dict
+  messages are skipped, roles in any order and tool results without a matching call are rendered (the name from
+  `tool`/`name`, the next index), non-string reasoning is `str()`-ed, any part with a `text` is text. Whether such
+  a conversation makes a training row is decided by validation: `messages.row_problems` (reported by
+  `regen show-render`) and the render stage's row checks (`regen.render.rows.check_messages`, rejects with a
+  reason).
 - Tool-result names and reordering follow ENC exactly: a run of consecutive tool messages is re-sorted into call
   order (and named after the matched call) only if every message of the run matches a call id of the last
   assistant message; otherwise names come from `tool`, then `name`, then the call at the same position.
-- `strict=True` (default) also rejects what ENC would render silently but a training row must not contain:
-  role-order errors, tool results without a call, unknown content parts, non-string reasoning.
-  `None` / empty reasoning is valid: the think tags stay, the body is empty (§2).
+- `None` / empty reasoning is valid: the think tags stay, the body is empty (§2).
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ import json
 from typing import NamedTuple
 
 from regen.render.kimi_k3.messages import (  # noqa: F401  (RenderError re-exported)
-    RenderError, _Num, dump_value, order_tool_results, parse_arguments, validate_messages, value_type,
+    RenderError, _Num, check_renderable, dump_value, order_tool_results, parse_arguments, value_type,
 )
 from regen.render.kimi_k3.tokenizer import CLOSE, END_OF_MSG, OPEN, SEP
 
@@ -133,7 +136,9 @@ class _Builder:
         self.close("message")
         self.control(END_OF_MSG)
 
-    def content(self, content, index: int, strict: bool) -> None:
+    def content(self, content, index: int) -> None:
+        """ENC `_render_content`: a string, or parts: image types -> the placeholder, any other -> str(text)
+        (shapes ENC refuses were raised by `check_renderable`)."""
         if content is None:
             return
         if isinstance(content, str):
@@ -147,8 +152,8 @@ class _Builder:
             if ptype in ("image", "image_url"):
                 self.flush()
                 self.out.append(Segment(IMAGE_PLACEHOLDER, True, self.kind, self.message))
-            elif isinstance(part, dict) and isinstance(part.get("text"), str) and (ptype == "text" or not strict):
-                self.text(part["text"])
+            elif isinstance(part, dict) and "text" in part:
+                self.text(str(part["text"]))
             else:
                 raise RenderError("unknown_content_part", f"content[{j}] has type {ptype!r}; Kimi-K3 renders "
                                   "'text' parts (with a string 'text') and 'image'/'image_url' parts only", index)
@@ -163,8 +168,7 @@ def _response_schema(response_format):
 
 def build_segments(messages: list, tools: list | None = None, *, thinking: bool = True,
                    thinking_effort: str | None = "max", add_generation_prompt: bool = True,
-                   tool_choice=None, response_format=None, strict: bool = True, unknown_roles: str = "error",
-                   effort_aliases: dict[str, str] | None = None) -> list[Segment]:
+                   tool_choice=None, response_format=None, effort_aliases: dict[str, str] | None = None) -> list[Segment]:
     """Segments of one conversation in render order (§2): tool declaration, thinking-effort note, the
     conversation, tool-choice note, response-format note, generation prompt. Empty segments are dropped (§3).
 
@@ -173,9 +177,7 @@ def build_segments(messages: list, tools: list | None = None, *, thinking: bool 
     Defaults are TOK's `apply_chat_template` defaults (thinking on, effort "max", generation prompt on).
     Raises RenderError (see module docstring) for conversations or options that cannot be rendered.
     """
-    if unknown_roles not in ("error", "skip"):
-        raise RenderError("bad_option", f"unknown_roles={unknown_roles!r}; give 'error' or 'skip'")
-    validate_messages(messages, strict, unknown_roles)
+    check_renderable(messages)
     effort = (effort_aliases or {}).get(thinking_effort, thinking_effort) if thinking_effort is not None else None
     if thinking and effort is not None and effort not in VALID_EFFORTS:
         raise RenderError("bad_option", f"thinking_effort={thinking_effort!r}; Kimi-K3 accepts {list(VALID_EFFORTS)} "
@@ -196,13 +198,13 @@ def build_segments(messages: list, tools: list | None = None, *, thinking: bool 
         elif role in ("user", "system"):
             attrs = [("role", role)] + ([("name", m["name"])] if m.get("name") else [])
             b.open("message", attrs)
-            b.content(m.get("content"), i, strict)
+            b.content(m.get("content"), i)
             b.close("message")
             b.control(END_OF_MSG)
         elif role == "assistant":
             prior_calls = m.get("tool_calls") or []
             tool_index = 0
-            _assistant(b, m, i, thinking, strict)
+            _assistant(b, m, i, thinking)
         elif role == "tool":
             tool_index += 1
             name = matched_name if matched_name is not None else m.get("tool", m.get("name"))
@@ -213,7 +215,7 @@ def build_segments(messages: list, tools: list | None = None, *, thinking: bool 
                 raise RenderError("tool_result_without_call", "tool message has no resolvable tool name (no "
                                   "matching tool_call_id, 'tool' or 'name' key, or call at its position)", i)
             b.open("message", (("role", "tool"), ("tool", name), ("index", tool_index)))
-            b.content(m.get("content"), i, strict)
+            b.content(m.get("content"), i)
             b.close("message")
             b.control(END_OF_MSG)
     if tool_choice in ("required", "none"):
@@ -233,7 +235,7 @@ def build_segments(messages: list, tools: list | None = None, *, thinking: bool 
     return b.out
 
 
-def _assistant(b: _Builder, m: dict, i: int, thinking: bool, strict: bool) -> None:
+def _assistant(b: _Builder, m: dict, i: int, thinking: bool) -> None:
     """An assistant message (§2), labelled: assistant_open, channel_open, generated..., end_of_msg."""
     b.label(ASSISTANT_OPEN, i)
     b.open("message", (("role", "assistant"),))
@@ -249,7 +251,7 @@ def _assistant(b: _Builder, m: dict, i: int, thinking: bool, strict: bool) -> No
     else:
         b.open("response")
         b.label(GENERATED, i)
-    b.content(m.get("content"), i, strict)
+    b.content(m.get("content"), i)
     b.close("response")
     calls = m.get("tool_calls") or []
     if calls:

@@ -115,57 +115,103 @@ def order_tool_results(messages: list) -> list[tuple[int, dict, str | None]]:
     return out
 
 
-def validate_messages(messages: list, strict: bool, unknown_roles: str) -> None:
-    """Raise RenderError for a conversation that is not a valid training row (see `kimi_k3_format` docstring);
-    with strict=False only for what ENC itself cannot render."""
+def check_renderable(messages: list) -> None:
+    """Raise RenderError exactly where ENC (`build_chat_segments`) raises, and nowhere else (issue #11 point 5):
+    the renderer must equal the reference on every input the reference accepts. Whether such data make a good
+    training row is `row_problems`' (and the render stage's row checks') business, not the renderer's.
+
+    ENC raises for: messages that are not a list; a dict message without a `role` key; a tool call that is not a
+    dict or has no `name`; arguments that are not a dict / string (or JSON that is not an object, checked while
+    rendering); content that is neither a string, null nor a list; a content part that is not a dict, has no
+    `type`, or is not an image and has no `text`. (A tool message without a resolvable name is raised while
+    rendering.) ENC accepts and renders: unknown roles and non-dict messages (skipped), roles in any order, tool
+    results without (matching) calls, non-string reasoning (`str()`), any part type that has a `text`."""
     if not isinstance(messages, list):
         raise RenderError("bad_message", f"messages is a {type(messages).__name__}; give a list of message dicts")
-    if strict and not messages:
-        raise RenderError("bad_message", "messages is empty; give at least one message")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            continue
+        if "role" not in m:
+            raise RenderError("bad_message", "message has no 'role' key", i)
+        if m["role"] not in KNOWN_ROLES:
+            continue
+        content = m.get("content")
+        if m["role"] == "system" and m.get("tools"):
+            content = None  # ENC renders a tool declaration instead of the content
+        if content is not None and not isinstance(content, (str, list)):
+            raise RenderError("bad_message", f"content is a {type(content).__name__}; give a string, null or a "
+                                             "list of content parts", i)
+        for j, part in enumerate(content if isinstance(content, list) else []):
+            ptype = part.get("type") if isinstance(part, dict) else None
+            if not isinstance(part, dict) or "type" not in part or (
+                    ptype not in ("image", "image_url") and "text" not in part):
+                raise RenderError("unknown_content_part", f"content[{j}] is {type(part).__name__} {ptype!r}; Kimi-K3 "
+                                  "renders dict parts with a 'type' and a 'text' (or an image type) only", i)
+        if m["role"] == "assistant":
+            for j, call in enumerate(m.get("tool_calls") or []):
+                fn = call.get("function", call) if isinstance(call, dict) else None
+                if not isinstance(fn, dict) or "name" not in fn:
+                    raise RenderError("bad_arguments", f"tool_calls[{j}] has no function.name", i)
+
+
+def row_problems(messages: list) -> list[RenderError]:
+    """What ENC renders but a training row must not contain, one RenderError per problem (empty: none). Codes:
+    role_order, tool_result_without_call, bad_message, unknown_role, unknown_content_part. `regen show-render`
+    reports them; the render stage rejects such rows in `regen.render.rows.check_messages`."""
+    if not isinstance(messages, list):
+        return [RenderError("bad_message", f"messages is a {type(messages).__name__}")]
+    out: list[RenderError] = []
+    if not messages:
+        out.append(RenderError("bad_message", "messages is empty; give at least one message"))
     prev, pending_calls, calls, ids, results = None, False, [], set(), 0
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            if strict:
-                raise RenderError("bad_message", "each message must be a dict with a string 'role'", i)
+            out.append(RenderError("bad_message", "each message must be a dict with a string 'role' (ENC skips it)", i))
             continue
         role = m["role"]
         if role not in KNOWN_ROLES:
-            if unknown_roles == "error":
-                raise RenderError("unknown_role", f"role {role!r} is not one of {list(KNOWN_ROLES)}; map it (e.g. "
-                                  "developer -> system) or set unknown_roles='skip' (ENC drops it)", i)
+            out.append(RenderError("unknown_role", f"role {role!r} is not one of {list(KNOWN_ROLES)}; ENC drops it: "
+                                   "map it (e.g. developer -> system)", i))
             continue
+        content = m.get("content")
+        for j, part in enumerate(content if isinstance(content, list) else []):
+            if isinstance(part, dict) and part.get("type") not in ("text", "image", "image_url"):
+                out.append(RenderError("unknown_content_part", f"content[{j}] has type {part.get('type')!r}; "
+                                       "a training row has 'text' and image parts only", i))
+            elif isinstance(part, dict) and part.get("type") == "text" and not isinstance(part.get("text"), str):
+                out.append(RenderError("unknown_content_part", f"content[{j}] has a non-string 'text'", i))
         if role == "assistant":
-            for j, call in enumerate(m.get("tool_calls") or []):
-                fn = call.get("function", call) if isinstance(call, dict) else None
-                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-                    raise RenderError("bad_arguments", f"tool_calls[{j}] has no string function.name", i)
             rc = m.get("reasoning_content", m.get("reasoning"))
-            if strict and rc is not None and not isinstance(rc, str):
-                raise RenderError("bad_message", f"reasoning_content is a {type(rc).__name__}; give a string or null", i)
-            if strict and prev == "assistant":
-                raise RenderError("role_order", "two assistant messages in a row; merge them or insert the "
-                                  "user/tool message between them", i)
-            if strict and pending_calls:
-                raise RenderError("role_order", "assistant message follows tool_calls that have no tool results; "
-                                  "add the tool messages or drop the calls", i)
+            if rc is not None and not isinstance(rc, str):
+                out.append(RenderError("bad_message", f"reasoning_content is a {type(rc).__name__}; give a string "
+                                       "or null", i))
+            if prev == "assistant":
+                out.append(RenderError("role_order", "two assistant messages in a row; merge them or insert the "
+                                       "user/tool message between them", i))
+            if pending_calls:
+                out.append(RenderError("role_order", "assistant message follows tool_calls that have no tool "
+                                       "results; add the tool messages or drop the calls", i))
             calls = m.get("tool_calls") or []
             ids = {str(c.get("id")) for c in calls if isinstance(c, dict) and c.get("id") is not None}
             pending_calls, results = bool(calls), 0
         elif role == "tool":
             results += 1
-            if strict:
-                if not calls:
-                    raise RenderError("tool_result_without_call", "tool result with no tool_calls in the last "
-                                      "assistant message; drop it or add the assistant's call", i)
-                cid = m.get("tool_call_id", m.get("id"))
-                if cid is not None and ids and str(cid) not in ids:
-                    raise RenderError("tool_result_without_call", f"tool_call_id {cid!r} matches none of the last "
-                                      f"assistant's call ids {sorted(ids)}; fix the id", i)
-                if results > len(calls):
-                    raise RenderError("tool_result_without_call", f"tool result #{results} after an assistant "
-                                      f"message with {len(calls)} tool call(s); drop the extra result", i)
+            cid = m.get("tool_call_id", m.get("id"))
+            if not calls:
+                out.append(RenderError("tool_result_without_call", "tool result with no tool_calls awaiting results "
+                                       "(none in the last assistant message, or a user turn came between); drop it "
+                                       "or add the assistant's call", i))
+            elif cid is not None and ids and str(cid) not in ids:
+                out.append(RenderError("tool_result_without_call", f"tool_call_id {cid!r} matches none of the last "
+                                       f"assistant's call ids {sorted(ids)}; fix the id", i))
+            elif results > len(calls):
+                out.append(RenderError("tool_result_without_call", f"tool result #{results} after an assistant "
+                                       f"message with {len(calls)} tool call(s); drop the extra result", i))
             pending_calls = False
-        elif strict and pending_calls and role == "user":
-            raise RenderError("role_order", "user message right after tool_calls without tool results; add "
-                              "the tool messages first", i)
+        elif role == "user":
+            if pending_calls:
+                out.append(RenderError("role_order", "user message right after tool_calls without tool results; "
+                                       "add the tool messages first", i))
+            calls, ids, pending_calls = [], set(), False
         prev = role
+    return out

@@ -21,7 +21,7 @@ from regen.render.renderer import Rendered
 from regen.render.kimi_k3.tokenizer import KimiTokenizer, load_tokenizer
 
 RENDERER_NAME = "kimi-k3"
-RENDERER_VERSION = "1"  # bump whenever output ids or spans can change
+RENDERER_VERSION = "2"  # bump whenever output ids or spans can change (2: notes in the prompt of a sample)
 
 MASK_POLICIES: dict[str, frozenset[str]] = {
     "spec": frozenset({GENERATED}),
@@ -38,7 +38,8 @@ class KimiK3Renderer:
     """`regen.render.renderer.Renderer` for Kimi-K3.
 
     tokenizer: a KimiTokenizer, a checkpoint directory path, or None (the project's test vocabulary).
-    mask_policy: a key of MASK_POLICIES. strict / unknown_roles / effort_aliases: see `build_segments`.
+    mask_policy: a key of MASK_POLICIES. effort_aliases: see `build_segments`. The renderer raises only where the
+        reference (ENC) raises; `regen.render.kimi_k3.messages.row_problems` says what makes a bad training row.
     template_defaults: default template kwargs (e.g. from the profile), overridden per `render` call.
     Raises RenderError (ValueError) for an unknown mask policy; InputError for a bad tokenizer directory.
     """
@@ -47,14 +48,14 @@ class KimiK3Renderer:
     version = RENDERER_VERSION
 
     def __init__(self, tokenizer: KimiTokenizer | str | None = None, *, mask_policy: str = DEFAULT_MASK_POLICY,
-                 strict: bool = True, unknown_roles: str = "error", effort_aliases: dict[str, str] | None = None,
+                 effort_aliases: dict[str, str] | None = None,
                  template_defaults: dict | None = None):
         if mask_policy not in MASK_POLICIES:
             raise RenderError("bad_option", f"mask_policy={mask_policy!r}; give one of {list(MASK_POLICIES)}")
         self.tokenizer = tokenizer if isinstance(tokenizer, KimiTokenizer) else load_tokenizer(tokenizer)
         self.mask_policy = mask_policy
         self._supervised = MASK_POLICIES[mask_policy]
-        self.options = {"strict": strict, "unknown_roles": unknown_roles, "effort_aliases": effort_aliases}
+        self.options = {"effort_aliases": effort_aliases}
         self.template_defaults = dict(template_defaults or {})
         self._check_kwargs(self.template_defaults)
         self.tokenizer_name = self.tokenizer.name
@@ -95,11 +96,38 @@ class KimiK3Renderer:
                     span[1] = len(ids)
         return ids, [(s, e) for s, e in spans.values()]
 
-    def render(self, messages: list[dict], tools: list[dict] | None = None, **template_kwargs) -> Rendered:
-        """Rendered(text, input_ids, assistant_spans) for one conversation. Raises RenderError."""
+    def render(self, messages: list[dict], tools: list[dict] | None = None, *, last_only: bool = False,
+               **template_kwargs) -> Rendered:
+        """Rendered(text, input_ids, assistant_spans) for one conversation, as the reference renders it (ENC).
+        Raises RenderError only where ENC raises (or for an unknown option).
+
+        `last_only=True` with a conversation that ends in an assistant message: the training sample of that turn,
+        one span: `messages[:-1]` rendered with the generation prompt (the notes of `tool_choice` /
+        `response_format` included: the prompt the target read) followed by the answer's segments. The reference
+        places those notes after the whole conversation, i.e. after the answer, where the target never saw them.
+        """
+        if last_only and self._ends_in_answer(messages, template_kwargs):
+            segs = self._turn_segments(messages, tools, template_kwargs)
+            ids, spans = self.encode_segments(segs)
+            return Rendered("".join(s.text for s in segs), ids, spans[-1:])
         segs = self.segments(messages, tools, **template_kwargs)
         ids, spans = self.encode_segments(segs)
-        return Rendered("".join(s.text for s in segs), ids, spans)
+        return Rendered("".join(s.text for s in segs), ids, spans[-1:] if last_only else spans)
+
+    def _ends_in_answer(self, messages, kwargs: dict) -> bool:
+        gen_prompt = {**self.template_defaults, **kwargs}.get("add_generation_prompt", True)
+        return (not gen_prompt and isinstance(messages, list) and len(messages) > 1
+                and isinstance(messages[-1], dict) and messages[-1].get("role") == "assistant")
+
+    def _turn_segments(self, messages: list[dict], tools, kwargs: dict) -> list[Segment]:
+        """The prompt of the last turn as the target read it (generation prompt = the assistant and channel
+        openers, §2.6) + the last assistant message. Segments are encoded one by one (§3), so no token can straddle
+        the prompt/answer boundary: the generation prompt ends in `<|sep|>`, a control segment."""
+        last = len(messages) - 1
+        prompt = self.segments(messages[:-1], tools, **{**kwargs, "add_generation_prompt": False})
+        full = self.segments(messages, tools, **{**kwargs, "add_generation_prompt": False, "tool_choice": None,
+                                                 "response_format": None})
+        return prompt + [seg for seg in full if seg.message == last]
 
     def encode(self, text: str) -> list[int]:
         """Plain text -> ids, control strings as ordinary BPE."""
