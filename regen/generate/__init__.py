@@ -16,4 +16,5 @@ Modules, in reading order:
     stage.py         the stage: resume checks (request config, policies), --repair, --retry-errors, accounting
 
 Entry point: `regen.generate.stage.run_generate(cfg: GenerateConfig, run: RunDir)`; CLI `regen generate`.
+For readers of generations/ (render, query): `regen.generate.ledger.check_parts(gen_dir)` verifies every listed part.
 """

@@ -40,6 +40,7 @@ import pyarrow.parquet as pq
 
 from regen.config.render import RenderConfig
 from regen.errors import InputError
+from regen.generate.ledger import check_parts  # generate's public check of its parts
 from regen.rundir import RunDir
 from regen.render.rows import Reject, RowRenderer
 from regen.render.shards import MANIFEST_SCHEMA, ShardWriter, contract_hash, manifest_totals, training_contract
@@ -77,7 +78,10 @@ def make_renderer(cfg: RenderConfig):
 
 def generation_files(run: RunDir) -> list[Path]:
     """The generation parts, in name order: those listed in `generations/manifest.json` ("parts": [{path}])
-    when it lists them (a reader trusts the manifest), else `part-*.parquet`. Raises InputError when none."""
+    when it lists them (a reader trusts the manifest), else `part-*.parquet`. Every part the generate ledger
+    lists is verified first (size, sha256, Parquet footer, row count: `regen.generate.ledger.check_parts`).
+    Raises InputError when none, or naming every damaged part and the `regen generate --repair` that fixes it."""
+    check_parts(run.generations, run.root)
     manifest = run.manifest(run.generations) or {}
     listed = manifest.get("parts") if isinstance(manifest.get("parts"), list) else None
     if listed:

@@ -13,6 +13,7 @@ from conftest import conversations, fast_config, write_prompts
 from regen.errors import InputError
 from regen.generate import ledger
 from regen.generate.stage import accounting, prompt_files, run_generate
+from regen.render.stage import generation_files
 from regen.report.query import query
 from schemas.generation import GENERATION_SCHEMA
 
@@ -71,7 +72,8 @@ def test_damaged_part_is_named_and_repair_rerequests_exactly_its_rows(server, ru
     damage(victim)
 
     for attempt in (lambda: run_generate(cfg, run_dir, endpoints=[server.base_url], progress=False),
-                    lambda: query(run_dir.root, "SELECT count(*) FROM generations")):
+                    lambda: query(run_dir.root, "SELECT count(*) FROM generations"),
+                    lambda: generation_files(run_dir)):  # what render reads first
         with pytest.raises(InputError) as err:
             attempt()
         assert victim.name in str(err.value) and "--repair" in str(err.value)
@@ -96,6 +98,7 @@ def test_damaged_part_is_named_and_repair_rerequests_exactly_its_rows(server, ru
     listed = {e["path"] for e in fixed["parts"]}
     assert listed == set(ledger.listed_parts(run_dir.generations))
     assert all((run_dir.generations / p).exists() for p in listed)
+    assert sorted(f.name for f in generation_files(run_dir)) == sorted(listed)  # render reads the repaired run
     # a later plain run sends nothing
     server.server.log.clear()
     run_generate(cfg, run_dir, endpoints=[server.base_url], progress=False)
