@@ -79,9 +79,10 @@ def test_plan_within_10_percent_of_a_small_real_run(long_answers, k3_env, tmp_pa
                "prompt_tokens": plan["shards"]["prompt_tokens"], "supervised_tokens": plan["shards"]["supervised_tokens"],
                "rows": plan["shards"]["rows"], "shard_bytes": plan["shards"]["bytes"]}
     off = {k: planned[k] / real[k] - 1 for k in real}
+    print("plan vs run:", planned, real, {k: round(v, 3) for k, v in off.items()})
     within_10 = ("units", "requests", "rows", "supervised_tokens", "shard_bytes")
     assert all(abs(off[k]) <= 0.10 for k in within_10), (planned, real, off)
-    # The shard rows' prompt side is the one figure outside 10% (+17% here): most of it is in the later turns of
+    # The shard rows' prompt side is the one figure outside 10% (+15% here): most of it is in the later turns of
     # tool conversations, kept or skipped depending on where a regenerated tool call stops each conversation;
     # the pilot's few tool prompts (3 of 6 here) do not pin that down.
     assert abs(off["prompt_tokens"]) <= 0.20, (planned, real, off)
