@@ -3,7 +3,8 @@ sub-config (the same step functions as `regen run`, `regen.pipeline`). No stage 
 
     flow regen(profile="local", run_dir="runs/local", overrides={}, train=None,
                retry_errors=False, retry_classes=None, repair=False)
-      select -> generate (inside the embedded target when serve.enabled) -> filter -> render -> train (optional)
+      preflight (every stage's configuration, `regen.preflight`) -> select -> generate (inside the embedded
+      target when serve.enabled) -> filter -> render -> train (optional)
       -> eval (when train.eval_prompts > 0)
 
 Resume is the stages' own (exactly-once by request key, manifests and cursors), not Prefect's result cache:
@@ -51,6 +52,14 @@ def _publish(step: str, markdown: str, description: str) -> None:
 def _rejects(run: RunDir, stage: str) -> summary.Table:
     cols, rows = summary.reject_table(summary.connect(run.root))
     return cols, [r for r in rows if r[0] == stage]
+
+
+@task(name="preflight", **TASK_OPTIONS)
+def preflight_task(profile, run_dir: str) -> dict:
+    """`regen.preflight.preflight`: every stage's configuration, before any request; fails the flow run with
+    one error listing every problem."""
+    report = pipeline.preflight(profile, _run(run_dir), log=get_run_logger().info)
+    return {"checks": len(report.checks)}
 
 
 @task(name="select", **TASK_OPTIONS)
@@ -151,7 +160,8 @@ def regen(profile: str = "local", run_dir: str = "runs/local", overrides: dict[s
     if train is not None:
         prof = prof.model_copy(update={"train": prof.train.model_copy(update={"enabled": train})})
     render = pipeline.effective_render_config(prof.render, prof.serve)
-    out = {"select": select_task(prof.select, prof.seed, run_dir)}
+    out = {"preflight": preflight_task(prof, run_dir)}
+    out["select"] = select_task(prof.select, prof.seed, run_dir)
     classes = (retry_classes or []) if retry_errors else None
     out["generate"] = generate_task(prof.generate, prof.serve, run_dir, classes, repair)
     out["filter"] = filter_task(render, run_dir)

@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export": ("regen.render.export", "copy shards or conversations to a local path or fsspec URI"),
     "train": ("regen.train.loop", "train a DSpark draft on the shards with online target hidden states"),
     "eval": ("regen.train.eval", "measure a draft's acc_len against the target"),
+    "plan": ("regen.plan", "a dry run: requests, tokens, server-hours, shard bytes, GPU memory of a profile"),
     "run": ("regen.pipeline", "the main job: every stage of a profile in order, resumable"),
     "query": ("regen.report.query", "run DuckDB SQL over the run's views (prompts, rejected, generations, ...)"),
     "report": ("regen.report.html", "write an HTML report with plots for a run"),

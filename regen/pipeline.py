@@ -2,7 +2,7 @@
 
     regen run --profile local --run runs/local [--set select.total=24 --set generate.max_tokens=16] [--no-progress]
 
-Steps (each calls one stage entry with its sub-config):
+Steps (each calls one stage entry with its sub-config), after `regen.preflight.preflight` has checked them all:
   select    regen.select.stage.run_select(profile.select, run, seed=profile.seed)
   generate  regen.generate.stage.run_generate(profile.generate, run, endpoints=...) -- when `serve.enabled`, inside
             `regen.serve.server.EmbeddedTarget(profile.serve)`, with `model` and `endpoints` set to the served ones
@@ -30,17 +30,11 @@ from regen.config.render import RenderConfig
 from regen.config.select import SelectConfig
 from regen.config.serve import ServeConfig
 from regen.config.train import TrainConfig
+from regen.preflight import effective_render_config, generation_complete, preflight  # noqa: F401 (re-exported)
 from regen.rundir import RunDir
 from schemas.io import read_json, sha256_file, write_json_atomic
 
 STEPS = ("select", "generate", "filter", "render", "train", "eval")
-
-
-def effective_render_config(render: RenderConfig, serve: ServeConfig) -> RenderConfig:
-    """The hf renderer without a tokenizer renders with the embedded target's own tokenizer and template."""
-    if serve.enabled and render.renderer == "hf" and not render.tokenizer:
-        return render.model_copy(update={"tokenizer": serve.model_dir})
-    return render
 
 
 def step_select(select: SelectConfig, run: RunDir, *, seed: int, progress: bool = True) -> dict:
@@ -68,22 +62,11 @@ def step_generate(generate: GenerateConfig, serve: ServeConfig, run: RunDir, *, 
 
     with EmbeddedTarget(serve, log_path=run.root / "serve" / "server.log") as target:
         log(f"embedded target {target.model} ready at {target.base_url} in {target.ready_s:.0f}s (pid {target.pid})")
+        from regen.preflight import check_started_endpoint
+
+        check_started_endpoint(target.base_url, target.model)  # preflight's endpoint check, now that it is up
         cfg = generate.model_copy(update={"model": target.model, "endpoints": [target.base_url]})
         return run_generate(cfg, run, endpoints=[target.base_url], progress=progress)
-
-
-def generation_complete(generate: GenerateConfig, run: RunDir) -> bool:
-    """True when `run_generate(generate, run)` would return its manifest without sending a request (the same
-    test it makes: a complete manifest with this request config, no journal, balanced accounting)."""
-    from regen.generate.stage import accounting, config_hash, prompt_files
-
-    old = run.manifest(run.generations)
-    if not (old and old.get("complete") and old.get("config_hash") == config_hash(generate)):
-        return False
-    if list(run.generations.glob("journal-*.jsonl")):
-        return False
-    acc = accounting(run.generations, prompt_files(run))
-    return bool(acc["balanced"] and acc["rows"] == old["accounting"]["rows"])
 
 
 def step_filter(render: RenderConfig, run: RunDir, *, progress: bool = True) -> dict:
@@ -138,13 +121,16 @@ def _timed(record: dict, name: str, log):
         log(f"== {name} {status} in {record[name]['wall_s']:.1f}s")
 
 
-def run_pipeline(profile: Profile, run: RunDir, *, progress: bool = True, log=print) -> dict:
+def run_pipeline(profile: Profile, run: RunDir, *, progress: bool = True, log=print, check: bool = True) -> dict:
     """Run every enabled step of `profile` on `run`; returns {step: manifest or summary}.
 
-    Raises the stages' InputError on bad input; any stage error stops the pipeline (outputs written so far stay,
-    and a rerun resumes).
+    First `regen.preflight.preflight` (unless `check=False`): one PreflightError (an InputError) listing every
+    configuration problem of every step, before any request. Raises the stages' InputError on bad input; any
+    stage error stops the pipeline (outputs written so far stay, and a rerun resumes).
     """
     render = effective_render_config(profile.render, profile.serve)
+    if check:
+        preflight(profile, run, log=log)  # every stage's configuration, before the first request
     timings: dict = {}
     results: dict = {}
     session = {"profile": profile.name, "started": time.time(), "steps": timings}

@@ -13,6 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from regen.config.generate import GenerateConfig
+from regen.config.plan import PlanConfig
 from regen.config.render import RenderConfig
 from regen.config.select import SelectConfig
 from regen.config.serve import ServeConfig
@@ -38,6 +39,7 @@ class Profile(BaseModel):
     generate: GenerateConfig = Field(default_factory=GenerateConfig)
     render: RenderConfig = Field(default_factory=RenderConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    plan: PlanConfig = Field(default_factory=PlanConfig)  # stated assumptions of `regen plan`
 
 
 def profile_path(name_or_path: str) -> Path:

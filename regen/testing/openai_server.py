@@ -103,7 +103,8 @@ class Settings:
     chunk_delay_s: float = 0.0  # between SSE events
     down: bool = False
     strict: bool = False  # 400 on fields outside KNOWN_FIELDS (return_token_ids, seed, extra body)
-    api_key: str | None = None  # when set, require `Authorization: Bearer <api_key>`
+    api_key: str | None = None  # when set, require `Authorization: Bearer <api_key>` (chat and /v1/models)
+    models: list = field(default_factory=lambda: ["fake"])  # ids listed by GET /v1/models
     log_bodies: bool = True
     max_log: int = 1_000_000
     log: bool = True  # False: keep no request log (benchmarks)
@@ -137,7 +138,9 @@ class FakeOpenAI:
     async def models(self, request: web.Request) -> web.Response:
         if self.settings.down:
             return web.json_response({"error": {"message": "down"}}, status=503)
-        return web.json_response({"object": "list", "data": [{"id": "fake", "object": "model"}]})
+        if self.settings.api_key is not None and request.headers.get("Authorization") != f"Bearer {self.settings.api_key}":
+            return web.json_response({"error": {"message": "bad key", "code": "invalid_api_key"}}, status=401)
+        return web.json_response({"object": "list", "data": [{"id": m, "object": "model"} for m in self.settings.models]})
 
     async def get_log(self, request: web.Request) -> web.Response:
         since = int(request.query.get("since", 0))

@@ -29,7 +29,8 @@ SECRET = "sk-test-never-in-outputs-0123456789"
 def fake_openai(tmp_path):
     log = tmp_path / "bodies.jsonl"
     proc = subprocess.Popen([sys.executable, "-m", "regen.testing.openai_server", "--host", "127.0.0.1", "--port", "0",
-                             "--log-file", str(log)], stdout=subprocess.PIPE, text=True, cwd=REPO)
+                             "--log-file", str(log), "--settings", json.dumps({"models": ["moonshotai/Kimi-K3"]})],
+                            stdout=subprocess.PIPE, text=True, cwd=REPO)
     line = proc.stdout.readline()
     assert "listening on" in line, line
     url = line.split("listening on", 1)[1].strip()

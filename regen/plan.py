@@ -1,0 +1,492 @@
+"""`regen plan`: what a profile's run will cost, before it is run (issue 13, point 1). A dry run.
+
+    regen plan --profile P --run DIR [--pilot N] [--sample N] [--servers N --server-tokens-per-s X
+               --world-size W --mfu M --gpu-tflops T --output-tokens K]
+
+1. Checks the profile (`regen.preflight.check_profile`, endpoints asked only with `--pilot`): problems of the
+   stages a plan does not need (a missing target, an unset key) are listed in the plan, not fatal; a source or
+   renderer that does not load is an InputError.
+2. Runs the selection (`regen select`, resumed when done) and counts every prompt's (prompt, turn) units
+   (`regen.generate.conversation.turn_positions`).
+3. Renders the prompt side of every unit (up to `--sample` prompts, seeded) with the profile's renderer
+   (`regen.render.stage.make_renderer`): the tokens before the generated turn, recorded assistant messages of
+   the pool standing in for the regenerated history.
+4. Without `--pilot`: no request is sent; output tokens, retries, the kept share and shard bytes per token come
+   from the profile's `plan:` section, labelled `assumed`. With `--pilot N`: about N units of the selection
+   (whole prompts, seeded) are generated, filtered and rendered for real in `<run>/plan/pilot/` through the
+   stages' own entries; their requests per unit, output tokens per unit, kept rows per unit, supervised tokens
+   per row, shard bytes per token and the measured/rendered prompt-side ratio replace the assumptions
+   (labelled `pilot`).
+5. Prints a table and writes `<run>/plan.json`. When the pool holds fewer prompts than `select.total`, every
+   count is scaled by `select.total / selected` (labelled in the output).
+
+Formulas (printed with the figures):
+  requests        = units x requests_per_unit
+  server-hours    = output_tokens / server_output_tokens_per_s / 3600; wall hours = server-hours / servers
+  shard bytes     = shard tokens x shard_bytes_per_token
+  memory per GPU (FSDP2 over W ranks, `regen.train.parallel.shard_model`: fp32 sharded master weights, bf16
+  compute, frozen embed/lm_head replicated):
+    weights       = 4 B x P_trainable / W + 2 B x P_frozen
+    gradients     = 4 B x P_trainable / W
+    optimizer     = 8 B x P_trainable / W   (AdamW exp_avg + exp_avg_sq, fp32)
+    activations   = T x taps x H_target x 2 B (tap hidden states, bf16)
+                    + L x Q x H x 34 B (per-layer activations, Korthikanti et al. 2022 "Reducing Activation
+                      Recomputation", s.h.34 at 16-bit without the attention-score term) + Q x V_out x 4 B (fp32
+                      logits, unchunked upper bound); T = train.max_tokens per micro-batch, Q = num_anchors x
+                      block_size query positions, L draft layers, H draft hidden size
+    (the target's own weights and activations are not included)
+  training FLOPs  = 6 x P_trainable x D + 2 x N_target_active x D (draft forward+backward per token, Kaplan et
+                    al. 2020; target forward only), D = training tokens = shard tokens x train.epochs
+  training time   = FLOPs / (W x gpu_peak_tflops x 1e12 x mfu)
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+from regen.config import Profile, resolve_path
+from regen.errors import InputError
+from regen.preflight import PreflightError, check_profile, effective_render_config
+from regen.rundir import RunDir
+from schemas.io import read_json, write_json_atomic
+
+GiB = 1024 ** 3
+
+
+def _rank(seed: int, pid: str) -> str:
+    return hashlib.sha256(f"{seed}|{pid}".encode()).hexdigest()
+
+
+def selected_prompts(run: RunDir) -> list[dict]:
+    """The selection's prompts (dicts from `regen.generate.runner.iter_prompts`), each with its `positions`."""
+    from regen.generate.conversation import turn_positions
+    from regen.generate.runner import iter_prompts
+    from regen.generate.stage import prompt_files
+
+    out = []
+    for p in iter_prompts(prompt_files(run)):
+        p["positions"] = turn_positions(p["messages"])
+        out.append(p)
+    return out
+
+
+def prompt_side_tokens(renderer, render_cfg, messages: list[dict], tools, pos: int) -> int:
+    """Tokens before the generated turn at `pos`: render `messages[:pos]` plus an empty assistant message with
+    the profile's template kwargs and take the start of its span. Raises ValueError when it does not render."""
+    kwargs = dict(render_cfg.template_kwargs, add_generation_prompt=False)
+    if renderer.name == "hf":
+        kwargs.update(last_only=True, with_text=False)
+    rendered = renderer.render(list(messages[:pos]) + [{"role": "assistant", "content": ""}], tools, **kwargs)
+    return rendered.assistant_spans[-1][0]
+
+
+def render_units(renderer, render_cfg, prompts: list[dict]) -> dict:
+    """{(prompt_id, turn): prompt-side tokens} for every unit of `prompts`; `errors`: units that did not render."""
+    tokens, errors = {}, 0
+    for p in prompts:
+        tools = json.loads(p["tools"]) if p.get("tools") else None
+        for turn, pos in enumerate(p["positions"]):
+            try:
+                tokens[(p["prompt_id"], turn)] = prompt_side_tokens(renderer, render_cfg, p["messages"], tools, pos)
+            except ValueError:
+                errors += 1
+    return {"tokens": tokens, "errors": errors}
+
+
+# ---------------------------------------------------------------------------------------------- the pilot
+
+
+def stratum(category: str, turn: int) -> str:
+    """Rates are measured and applied per category and turn kind: a conversation's first turn, or a later one
+    (later turns carry the history and are the ones skipped when a regenerated tool call stops a conversation)."""
+    return f"{category}/{'first' if turn == 0 else 'later'}"
+
+
+def pilot_prompts(prompts: list[dict], num_units: int, seed: int) -> list[dict]:
+    """Whole prompts, round-robin over categories (each in seeded order), until they hold >= num_units units."""
+    by_cat: dict[str, list[dict]] = {}
+    for p in sorted(prompts, key=lambda p: _rank(seed, p["prompt_id"])):
+        by_cat.setdefault(p["category"], []).append(p)
+    chosen, units, i = [], 0, 0
+    while units < num_units and any(i < len(v) for v in by_cat.values()):
+        for cat in sorted(by_cat):
+            if i < len(by_cat[cat]) and units < num_units:
+                chosen.append(by_cat[cat][i])
+                units += len(by_cat[cat][i]["positions"])
+        i += 1
+    return chosen
+
+
+def shard_bytes_model(rows: list[dict], tmp: Path) -> tuple[float, float]:
+    """(bytes of an empty shard file, marginal bytes per token) of SHARD_SCHEMA Parquet files, from `rows`
+    written the way shards are (`schemas.io.write_parquet_atomic`, zstd)."""
+    import pyarrow as pa
+
+    from schemas.io import write_parquet_atomic
+    from schemas.shard import SHARD_SCHEMA
+
+    empty = write_parquet_atomic(pa.Table.from_pylist([], schema=SHARD_SCHEMA), tmp / "empty.parquet", SHARD_SCHEMA)
+    full = write_parquet_atomic(pa.Table.from_pylist(rows, schema=SHARD_SCHEMA), tmp / "rows.parquet", SHARD_SCHEMA)
+    tokens = sum(r["num_tokens"] for r in rows)
+    return float(empty["bytes"]), (full["bytes"] - empty["bytes"]) / max(1, tokens)
+
+
+def run_pilot(profile: Profile, run: RunDir, chosen: list[dict], log=print) -> dict:
+    """Generate, filter and render the `chosen` prompts for real in `<run>/plan/pilot/` through the stages'
+    entries (`regen.pipeline.step_*`); returns per-category measurements (units, attempts, output tokens of ok
+    rows, shard rows with their prompt-side and supervised tokens) and the shard file-size model."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from regen import pipeline
+    from regen.generate.stage import prompt_files
+    from schemas.io import write_parquet_atomic
+    from schemas.prompt import PROMPT_SCHEMA
+
+    pilot = RunDir.at(run.root / "plan" / "pilot")
+    if not pilot.manifest(pilot.prompts):
+        table = pa.concat_tables([pq.read_table(f, schema=PROMPT_SCHEMA) for f in prompt_files(run)])
+        table = table.filter(pa.compute.is_in(table["prompt_id"], pa.array([p["prompt_id"] for p in chosen])))
+        info = write_parquet_atomic(table, pilot.prompts / "part-00000.parquet", PROMPT_SCHEMA)
+        write_json_atomic({"parts": [info], "pilot_of": str(run.root)}, pilot.prompts / "manifest.json")
+    render = effective_render_config(profile.render, profile.serve)
+    t0 = time.time()
+    gen = pipeline.step_generate(profile.generate, profile.serve, pilot, progress=False, log=log)
+    pipeline.step_filter(render, pilot, progress=False)
+    shards = pipeline.step_render(render, pilot, progress=False)
+    gen_rows = pq.read_table(sorted(pilot.generations.glob("part-*.parquet")),
+                             columns=["category", "turn", "status", "attempts", "num_completion_tokens"]).to_pylist()
+    files = [pilot.shards / s["path"] for s in shards.get("shards", [])]
+    shard_rows = pq.read_table(files).to_pylist() if files else []
+    cats: dict[str, dict] = {}
+    for r in gen_rows:
+        c = cats.setdefault(stratum(r["category"], r["turn"]), dict(units=0, attempts=0, ok=0, output_tokens=0, rows=0, prompt_side=0,
+                                                supervised=0))
+        c["units"] += 1
+        c["attempts"] += r["attempts"] or 0
+        if r["status"] == "ok" and r["num_completion_tokens"] is not None:
+            c["ok"] += 1
+            c["output_tokens"] += r["num_completion_tokens"]
+    for r in shard_rows:
+        c = cats[stratum(r["category"], r["turn"])]
+        c["rows"] += 1
+        c["prompt_side"] += r["num_tokens"] - r["num_loss_tokens"]
+        c["supervised"] += r["num_loss_tokens"]
+    empty, marginal = shard_bytes_model(shard_rows, pilot.root / "bytes-model") if shard_rows else (0.0, 0.0)
+    acc = gen["accounting"]
+    return {"dir": str(pilot.root), "prompts": acc["prompts"], "units": acc["units"],
+            "attempts": sum(c["attempts"] for c in cats.values()), "rows": len(shard_rows),
+            "wall_s": round(time.time() - t0, 1), "by_category": cats,
+            "shard_file_bytes": empty, "shard_bytes_per_token": marginal,
+            "shard_bytes": sum(s["bytes"] for s in shards.get("shards", []))}
+
+
+# ---------------------------------------------------------------------------------------------- the draft
+
+
+def target_config(profile: Profile) -> tuple[object | None, str]:
+    """The target's text config as attributes (from `train.target`/config.json), else the K3 spec shape for the
+    kimi-k3 preset (labelled `assumed`), else None."""
+    raw = profile.train.target
+    path = resolve_path(raw) if raw else None
+    if path is not None and "$" not in str(path) and (path / "config.json").is_file():
+        cfg = json.loads((path / "config.json").read_text())
+        return SimpleNamespace(**(cfg.get("text_config") or cfg)), f"measured: {path}/config.json"
+    if profile.train.draft_preset == "kimi-k3":
+        from regen.train.draft_config import DSparkConfig
+
+        d = DSparkConfig()
+        return (SimpleNamespace(hidden_size=d.target_hidden_size, num_hidden_layers=d.target_num_hidden_layers,
+                                vocab_size=d.vocab_size),
+                f"assumed: the spec's K3 target shape (train.target {raw!r} not readable)")
+    return None, f"unknown: train.target {raw!r} not readable"
+
+
+def draft_plan(profile: Profile, a, shard_tokens: float) -> dict:
+    """Parameters, memory per GPU under FSDP2 and training time (formulas in the module doc)."""
+    from regen.train.loop import build_draft_config
+    from regen.train.model import build_meta
+
+    tc, source = target_config(profile)
+    if tc is None:
+        return {"note": source}
+    t = profile.train
+    cfg = build_draft_config(t, tc)
+    model = build_meta(cfg)
+    p_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    p_frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    W, T = a["world_size"], t.max_tokens
+    Q = cfg.num_anchors * cfg.block_size
+    v_out = cfg.draft_vocab_size or cfg.vocab_size
+    taps = len(cfg.target_layer_ids)
+    mem = {
+        "weights": 4 * p_train / W + 2 * p_frozen,
+        "gradients": 4 * p_train / W,
+        "optimizer": 8 * p_train / W,
+        "activations": T * taps * cfg.target_hidden_size * 2 + cfg.num_hidden_layers * Q * cfg.hidden_size * 34
+        + Q * v_out * 4,
+    }
+    formulas = {
+        "weights": f"4 B x {p_train:,} / {W} + 2 B x {p_frozen:,} (frozen embed/lm_head, replicated)",
+        "gradients": f"4 B x {p_train:,} / {W}",
+        "optimizer": f"8 B x {p_train:,} / {W} (AdamW, 2 fp32 moments)",
+        "activations": (f"{T} x {taps} x {cfg.target_hidden_size} x 2 B + {cfg.num_hidden_layers} x {Q} x "
+                        f"{cfg.hidden_size} x 34 B + {Q} x {v_out} x 4 B"),
+    }
+    epochs = t.epochs or 1
+    D = shard_tokens * epochs
+    n_target = a["target_active_params"]
+    flops = 6 * p_train * D + 2 * n_target * D
+    seconds = flops / (W * a["gpu_peak_tflops"] * 1e12 * a["mfu"])
+    return {
+        "target_config": source, "params_trainable": p_train, "params_frozen": p_frozen,
+        "draft": {"layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size, "taps": list(cfg.target_layer_ids),
+                  "num_anchors": cfg.num_anchors, "block_size": cfg.block_size, "output_vocab": v_out},
+        "memory_per_gpu_gib": {k: round(v / GiB, 2) for k, v in mem.items()} | {"total": round(sum(mem.values()) / GiB, 2)},
+        "memory_formulas": formulas, "micro_batch_tokens": T, "world_size": W,
+        "training_tokens": int(D), "epochs": epochs, "training_flops": flops,
+        "flops_formula": (f"6 x {p_train:,} x {int(D):,} + 2 x {int(n_target):,} x {int(D):,}"
+                          + ("" if n_target else " (target forward not counted: plan.target_active_params is 0)")),
+        "training_hours": round(seconds / 3600, 2),
+        "time_formula": f"FLOPs / ({W} x {a['gpu_peak_tflops']} TFLOPS x {a['mfu']} MFU)",
+    }
+
+
+# ---------------------------------------------------------------------------------------------- the plan
+
+
+def _pct(values: list[int], q: float) -> int:
+    return int(np.percentile(values, q)) if values else 0
+
+
+def assumptions(profile: Profile, flags: dict) -> dict:
+    """The profile's `plan:` values with command-line flags (not None) on top."""
+    a = profile.plan.model_dump()
+    a.update({k: v for k, v in flags.items() if v is not None})
+    if flags.get("output_tokens") is not None:
+        a["output_tokens"] = {"default": flags["output_tokens"]}
+    return a
+
+
+def build_plan(profile: Profile, run: RunDir, *, pilot: int = 0, sample: int = 2000, flags: dict | None = None,
+               log=print) -> dict:
+    """The plan of `profile` on `run` (see the module doc); writes `<run>/plan.json` and returns it.
+
+    Raises InputError when the sources or the renderer do not load (the other stages' problems are listed in
+    `preflight_problems`), or when a pilot is asked and an endpoint fails its check.
+    """
+    from regen import pipeline
+
+    a = assumptions(profile, flags or {})
+    rep = check_profile(profile, run, network=bool(pilot))
+    fatal = [p for p in rep.problems if p.startswith(("source ", "select.", "render."))]
+    if pilot:
+        fatal += [p for p in rep.problems if p.startswith(("endpoint", "generate.", "no endpoint"))]
+    if fatal:
+        raise PreflightError(fatal)
+    pipeline.step_select(profile.select, run, seed=profile.seed, progress=False)
+    prompts = selected_prompts(run)
+    if not prompts:
+        raise InputError(f"{run.prompts}: the selection is empty; check select.sources and select.mix")
+    render_cfg = effective_render_config(profile.render, profile.serve)
+    from regen.render.stage import make_renderer
+
+    renderer = make_renderer(render_cfg)
+    sampled = sorted(prompts, key=lambda p: _rank(profile.seed, p["prompt_id"]))[:sample]
+    rendered = render_units(renderer, render_cfg, sampled)
+    side = rendered["tokens"]
+    values = list(side.values())
+    scale = max(1.0, profile.select.total / len(prompts))
+    cats: dict = {}
+    strata: dict[str, int] = {}
+    cat_of = {p["prompt_id"]: p["category"] for p in prompts}
+    for p in prompts:
+        c = cats.setdefault(p["category"], {"prompts": 0, "units": 0})
+        c["prompts"] += 1
+        c["units"] += len(p["positions"])
+        for turn in range(len(p["positions"])):
+            strata[stratum(p["category"], turn)] = strata.get(stratum(p["category"], turn), 0) + 1
+    units_sel = sum(c["units"] for c in cats.values())
+    units = units_sel * scale
+
+    def out_tokens(cat: str) -> float:
+        return a["output_tokens"].get(cat, a["output_tokens"].get("default", 0))
+
+    side_by_cat: dict[str, list[int]] = {}
+    for (pid, turn), v in side.items():
+        side_by_cat.setdefault(stratum(cat_of[pid], turn), []).append(v)
+    all_side = float(np.mean(values)) if values else 0.0
+    side_mean = {k: float(np.mean(side_by_cat[k])) if k in side_by_cat else all_side for k in strata}
+
+    src = "assumed (profile plan:)"
+    measured = None
+    overlong = 0.0
+    if pilot:
+        chosen = pilot_prompts(prompts, pilot, profile.seed)
+        measured = run_pilot(profile, run, chosen, log=log)
+        src = f"pilot ({measured['units']} units sent for real)"
+        est = render_units(renderer, render_cfg, chosen)["tokens"]
+        est_by_cat: dict[str, int] = {}
+        for (pid, turn), v in est.items():
+            key = stratum(cat_of[pid], turn)
+            est_by_cat[key] = est_by_cat.get(key, 0) + v
+        pooled = {k: sum(c[k] for c in measured["by_category"].values())
+                  for k in ("units", "attempts", "ok", "output_tokens", "rows", "prompt_side", "supervised")}
+        pooled_est = sum(est_by_cat.values())
+        rates = {}
+        for k in strata:  # a stratum the pilot did not reach takes the pilot's pooled rates
+            m = measured["by_category"].get(k) or pooled
+            e = est_by_cat.get(k) if k in measured["by_category"] else pooled_est
+            rates[k] = dict(requests=m["attempts"] / max(1, m["units"]), output=m["output_tokens"] / max(1, m["ok"]),
+                            keep=m["rows"] / max(1, m["units"]), supervised=m["supervised"] / max(1, m["units"]),
+                            prompt_ratio=m["prompt_side"] / max(1, e or 0), prompt_per_row=m["prompt_side"] / max(1, m["rows"]))
+        bpt, file_bytes = measured["shard_bytes_per_token"], measured["shard_file_bytes"]
+    else:
+        rates = {}
+        for k in strata:
+            out = out_tokens(k.split("/")[0])
+            drop = 0.0
+            if profile.render.overlong == "drop" and side_by_cat.get(k):
+                drop = sum(v + out > profile.render.max_tokens for v in side_by_cat[k]) / len(side_by_cat[k])
+            keep = a["keep_fraction"] * (1 - drop)
+            rates[k] = dict(requests=a["requests_per_unit"], output=out, keep=keep, supervised=keep * out,
+                            prompt_ratio=keep)
+        overlong = 1 - sum(strata[k] * rates[k]["keep"] for k in strata) / units_sel / a["keep_fraction"]
+        bpt, file_bytes = a["shard_bytes_per_token"], 0.0
+    u = {k: n * scale for k, n in strata.items()}
+    output_total = sum(u[k] * rates[k]["output"] for k in strata)
+    out_per_unit = output_total / units
+    requests = sum(u[k] * rates[k]["requests"] for k in strata)
+    rows = sum(u[k] * rates[k]["keep"] for k in strata)
+    supervised = sum(u[k] * rates[k]["supervised"] for k in strata)
+    if pilot:  # the pilot's prompt side per kept row (its history is the regenerated one)
+        shard_prompt = sum(u[k] * rates[k]["keep"] * rates[k]["prompt_per_row"] for k in strata)
+    else:
+        shard_prompt = sum(u[k] * side_mean[k] * rates[k]["prompt_ratio"] for k in strata)
+    per_cat = {c: {n: sum(u[k] * rates[k][n] for k in strata if k.startswith(c + "/")) / (cats[c]["units"] * scale)
+                   for n in ("output", "requests", "keep")} for c in cats}
+    shard_tokens = shard_prompt + supervised
+    prompt_mean = all_side
+    t = profile.render
+    num_files = max(1, int(np.ceil(max(shard_tokens / t.shard_max_tokens, rows / t.shard_max_rows))))
+    shard_bytes = num_files * file_bytes + shard_tokens * bpt
+    server_hours = output_total / a["server_output_tokens_per_s"] / 3600
+    plan = {
+        "profile": profile.name, "run": str(run.root), "created": time.time(), "source_of_rates": src,
+        "scale": {"selected_prompts": len(prompts), "select_total": profile.select.total, "factor": round(scale, 4),
+                  "note": ("counts scaled by select.total / selected (the pool is smaller than the profile asks)"
+                           if scale > 1 else "the selection is the profile's; no scaling")},
+        "categories": {k: {"prompts": round(c["prompts"] * scale), "units": round(c["units"] * scale),
+                           "output_tokens_per_unit": round(per_cat[k]["output"], 1),
+                           "requests_per_unit": round(per_cat[k]["requests"], 4), "keep": round(per_cat[k]["keep"], 4)}
+                       for k, c in sorted(cats.items())},
+        "prompts": round(len(prompts) * scale), "units": round(units),
+        "prompt_tokens": {"rendered_units": len(values), "render_errors": rendered["errors"],
+                          "p50": _pct(values, 50), "p90": _pct(values, 90), "max": max(values, default=0),
+                          "mean": round(prompt_mean, 1), "total": round(units * prompt_mean),
+                          "renderer": renderer.name,
+                          "tokenizer": renderer.tokenizer_name},
+        "output_tokens": {"per_unit": round(out_per_unit, 1), "total": round(output_total), "source": src},
+        "requests": {"total": round(requests), "per_unit": round(requests / units, 4),
+                     "formula": "sum over categories of units x requests_per_unit"},
+        "servers": {"count": a["servers"], "output_tokens_per_s_each": a["server_output_tokens_per_s"],
+                    "server_hours": round(server_hours, 2), "wall_hours": round(server_hours / a["servers"], 2),
+                    "formula": (f"server-hours = {round(output_total):,} output tokens / "
+                                f"{a['server_output_tokens_per_s']:,} tokens/s / 3600; wall = server-hours / "
+                                f"{a['servers']}")},
+        "shards": {"rows": round(rows), "keep_fraction": round(rows / units, 4), "overlong_drop_fraction": round(overlong, 4),
+                   "prompt_tokens": round(shard_prompt), "supervised_tokens": round(supervised),
+                   "tokens": round(shard_tokens), "files": num_files, "file_bytes": round(file_bytes),
+                   "bytes_per_token": round(bpt, 3), "bytes": round(shard_bytes),
+                   "formula": "bytes = files x empty-file bytes + shard tokens x bytes_per_token; per category: "
+                              "rows = units x keep, supervised = units x supervised per unit, prompt side = units "
+                              "x rendered prompt mean x (keep, or with a pilot its measured shard/rendered ratio)"},
+        "draft": draft_plan(profile, a, shard_tokens) if profile.train.draft_preset else {},
+        "strata": {k: {"units": round(u[k]), "prompt_side_mean": round(side_mean[k], 1),
+                       **{n: round(v, 4) for n, v in rates[k].items()}} for k in sorted(strata)},
+        "assumptions": a, "pilot": measured, "preflight_problems": rep.problems,
+    }
+    write_json_atomic(plan, run.root / "plan.json")
+    return plan
+
+
+def _gib(x: float) -> str:
+    return f"{x:,.2f} GiB"
+
+
+def print_plan(plan: dict) -> None:
+    """The plan as a table: figure, value, where it comes from."""
+    from regen.report.query import print_table
+
+    pt, sh, sv, d = plan["prompt_tokens"], plan["shards"], plan["servers"], plan["draft"]
+    print(f"regen plan: profile {plan['profile']}, rates {plan['source_of_rates']}; {plan['scale']['note']} "
+          f"(x{plan['scale']['factor']})")
+    print_table(["category", "prompts", "units", "output tokens/unit", "requests/unit", "keep"],
+                [[k, v["prompts"], v["units"], v["output_tokens_per_unit"], v["requests_per_unit"], v["keep"]]
+                 for k, v in plan["categories"].items()],
+                title="mix")
+    rows = [
+        ["prompts / units", f"{plan['prompts']:,} / {plan['units']:,}", "selection x scale"],
+        ["prompt tokens p50 / p90 / max", f"{pt['p50']:,} / {pt['p90']:,} / {pt['max']:,}",
+         f"{pt['renderer']} renderer on {pt['rendered_units']:,} units"],
+        ["prompt tokens total", f"{pt['total']:,}", f"units x mean {pt['mean']} (every request's prompt side)"],
+        ["output tokens total", f"{plan['output_tokens']['total']:,}",
+         f"{plan['output_tokens']['per_unit']}/unit, {plan['output_tokens']['source']}"],
+        ["requests", f"{plan['requests']['total']:,}", f"units x {plan['requests']['per_unit']}"],
+        ["server-hours / wall hours", f"{sv['server_hours']:,} / {sv['wall_hours']:,}", sv["formula"]],
+        ["shard rows", f"{sh['rows']:,}", f"units x keep {sh['keep_fraction']} (overlong drop {sh['overlong_drop_fraction']})"],
+        ["shard prompt-side tokens", f"{sh['prompt_tokens']:,}", "units x rendered mean x keep (pilot: measured ratio)"],
+        ["supervised tokens", f"{sh['supervised_tokens']:,}", "units x supervised per unit"],
+        ["shard tokens / bytes", f"{sh['tokens']:,} / {sh['bytes'] / 1e9:,.3f} GB",
+         f"{sh['files']} file(s) x {sh['file_bytes']} B + tokens x {sh['bytes_per_token']} B/token"],
+    ]
+    if "params_trainable" in d:
+        mem = d["memory_per_gpu_gib"]
+        rows += [["draft parameters", f"{d['params_trainable']:,} trainable + {d['params_frozen']:,} frozen",
+                  d["target_config"]]]
+        rows += [[f"memory/GPU {k}", _gib(mem[k]), d["memory_formulas"][k]] for k in d["memory_formulas"]]
+        rows += [["memory/GPU total", _gib(mem["total"]), f"W={d['world_size']}, T={d['micro_batch_tokens']}"],
+                 ["training FLOPs", f"{d['training_flops']:.3e}", d["flops_formula"]],
+                 ["training time", f"{d['training_hours']:,} h", d["time_formula"]]]
+    elif d:
+        rows.append(["draft", "-", d.get("note", "")])
+    print_table(["figure", "value", "how"], rows, title="plan")
+    for p in plan["preflight_problems"]:
+        print(f"preflight (would stop `regen run`): {p}")
+    if plan["assumptions"].get("note"):
+        print(f"assumptions: {plan['assumptions']['note']}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from regen.config import add_profile_arguments
+
+    add_profile_arguments(parser, run_required=False)
+    parser.add_argument("--pilot", type=int, default=0, metavar="N", help="send about N units for real to measure")
+    parser.add_argument("--sample", type=int, default=2000, help="prompts whose units are rendered (seeded)")
+    parser.add_argument("--servers", type=int, default=None, help="inference servers (plan.servers)")
+    parser.add_argument("--server-tokens-per-s", dest="server_output_tokens_per_s", type=float, default=None,
+                        help="output tokens/s of one server (plan.server_output_tokens_per_s)")
+    parser.add_argument("--world-size", type=int, default=None, help="training GPUs (plan.world_size)")
+    parser.add_argument("--mfu", type=float, default=None, help="model FLOPs utilisation (plan.mfu)")
+    parser.add_argument("--gpu-tflops", dest="gpu_peak_tflops", type=float, default=None,
+                        help="dense bf16 peak TFLOPS per GPU (plan.gpu_peak_tflops)")
+    parser.add_argument("--output-tokens", type=int, default=None, help="assumed output tokens per unit, every category")
+
+
+def main(args) -> int:
+    from regen.config import load_profile
+
+    profile = load_profile(args.profile, args.overrides)
+    run = RunDir.at(args.run or f"runs/plan-{profile.name}")
+    flags = {k: getattr(args, k) for k in ("servers", "server_output_tokens_per_s", "world_size", "mfu",
+                                           "gpu_peak_tflops", "output_tokens")}
+    plan = build_plan(profile, run, pilot=args.pilot, sample=args.sample, flags=flags)
+    print_plan(plan)
+    print(f"\nwritten: {run.root / 'plan.json'}")
+    return 0
