@@ -22,8 +22,9 @@ completions, at least `limit` of them, and at least max(min_window_s, p50 latenc
    et al. 2016), with TCP's slow start then additive increase: while a step up raises tokens/s by at least
    `min_gain`, step up again (x2 in slow start, then + step); a step that did not pay is undone (back to the
    best limit; slow start ends) and probing pauses for `HOLD_WINDOWS` windows. A queue guard, as TCP Vegas's
-   BaseRTT: when the window's p50 time to first token exceeds `latency_tolerance` x the lowest p50 seen and
-   that excess is over 10% of the p50 latency (queueing, not jitter), limit -= step.
+   BaseRTT: when the window's p50 time to first token exceeds `latency_tolerance` x the lowest TTFT seen and
+   that excess is over 10% of the p50 latency (queueing, not jitter), limit -= step. The base is the lowest
+   single TTFT seen (not a window's p50), so a start above the server's capacity still finds the unqueued TTFT.
 
 step = max(1, limit / 8). A window where the limit never bound (fewer requests to send than the limit: the
 client, not the server, was the bottleneck) decides nothing, so the limit does not grow past what is used.
@@ -51,7 +52,7 @@ class ConcurrencyController:
         self.hold = 0
         self.best_rate: float | None = None  # output tokens/s of the best window
         self.best_limit = cfg.initial
-        self.base_ttft: float | None = None  # lowest window p50 TTFT (BaseRTT of TCP Vegas)
+        self.base_ttft: float | None = None  # lowest single TTFT seen (BaseRTT of TCP Vegas)
         self.p50_latency: float | None = None
         self.history: list[tuple[float, int, str]] = [(now, self.limit, "initial")]
         self._new_window(now, settle=False)
@@ -140,8 +141,8 @@ class ConcurrencyController:
         rate = self._tokens / max(1e-9, elapsed)
         ttft = _median(self._ttfts)
         self._remember_latency()
-        if ttft is not None and (self.base_ttft is None or ttft < self.base_ttft):
-            self.base_ttft = ttft
+        if self._ttfts and (self.base_ttft is None or min(self._ttfts) < self.base_ttft):
+            self.base_ttft = min(self._ttfts)  # the lowest single TTFT: a request that found a free slot
         if not self._binds():
             return self._set(now, self._limit, "not binding")
         queued = (ttft is not None and self.base_ttft is not None and self.p50_latency
@@ -182,3 +183,31 @@ class ConcurrencyController:
             self.history.append((now, self.limit, reason))
         self._new_window(now, settle=changed)
         return changed
+
+
+# Prometheus gauge names: (running, waiting, cache usage 0..1), first family found wins.
+# vLLM: docs "Production Metrics" (vllm:gpu_cache_usage_perc before v0.10); SGLang: docs "Production Metrics".
+GAUGE_NAMES = (
+    ("vllm:num_requests_running", "vllm:num_requests_waiting", ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")),
+    ("sglang:num_running_reqs", "sglang:num_queue_reqs", ("sglang:token_usage",)),
+)
+
+
+def parse_gauges(text: str) -> tuple[float, float, float | None] | None:
+    """Prometheus text exposition -> (requests running, requests waiting, KV-cache usage 0..1 or None), each
+    summed over label sets (a server may serve several models); None when neither vLLM's nor SGLang's gauges are
+    there. Parsed with `prometheus_client.parser` (the reference parser of the format)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values: dict[str, float] = {}
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                values[sample.name] = values.get(sample.name, 0.0) + float(sample.value)
+    except (ValueError, TypeError):
+        return None
+    for running, waiting, caches in GAUGE_NAMES:
+        if running in values and waiting in values:
+            cache = next((values[c] for c in caches if c in values), None)
+            return values[running], values[waiting], cache
+    return None
