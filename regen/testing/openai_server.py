@@ -12,6 +12,8 @@ prints `listening on http://HOST:PORT/v1` once ready. Endpoints:
     GET  /_log                  received requests: seq, key (X-Regen-Request-Key), body_sha, stream, fault,
                                 status, and the body when log_bodies (never headers: no API key is logged)
     POST /_log/clear            empty the log
+    GET  /_timings              when `timings`: [key, received_t, ended_t] per chat request (unix seconds; the end
+                                is when the handler returned or was cancelled by a dropped connection)
     POST /_control              merge settings (JSON object), e.g. {"faults": {"429": 0.2}, "down": true}
     GET  /_control              current settings
 
@@ -93,6 +95,7 @@ class Settings:
     kv_tokens: int = 0  # cache size in tokens for the usage gauge (0: running / slots)
     metrics: str | None = None  # "vllm" | "sglang": serve /metrics gauges
     length_sigma: float = 0.0  # lognormal spread of answer lengths (0: every answer has `tokens`)
+    timings: bool = False  # keep [key, received, ended] per chat request (GET /_timings; bench/scale.py)
 
 
 class FakeOpenAI:
@@ -106,14 +109,16 @@ class FakeOpenAI:
         self._cache: dict = {}
         self._bytes: dict = {}
         self.running = self.waiting = self.kv_used = 0
+        self.timings: list[tuple] = []
         self._slot_free: asyncio.Condition | None = None
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=256 * 1024 * 1024)
-        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/chat/completions", self._timed_chat)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.models)
         app.router.add_get("/metrics", self.prometheus)
+        app.router.add_get("/_timings", self.get_timings)
         app.router.add_get("/_log", self.get_log)
         app.router.add_post("/_log/clear", self.clear_log)
         app.router.add_get("/_control", self.get_control)
@@ -379,6 +384,18 @@ class FakeOpenAI:
         await resp.write_eof()
         return resp
 
+
+    async def _timed_chat(self, request: web.Request) -> web.StreamResponse:
+        if not self.settings.timings:
+            return await self.chat(request)
+        t0 = time.time()
+        try:
+            return await self.chat(request)
+        finally:
+            self.timings.append((request.headers.get("X-Regen-Request-Key"), t0, time.time()))
+
+    async def get_timings(self, request: web.Request) -> web.Response:
+        return web.Response(body=_dumps(self.timings), content_type="application/json")
 
     # -- the capacity model (Settings.slots)
     async def _served(self, request, body, ans, want_ids, stream) -> web.StreamResponse:
