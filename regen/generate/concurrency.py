@@ -16,8 +16,8 @@ completions, at least `limit` of them, and at least max(min_window_s, p50 latenc
    queued at the bottleneck (Brakmo & Peterson 1995), but the queue is read from the server instead of being
    estimated from round-trip times. Target q* = max(1, queue_target x running), mean over the window:
    waiting > 2 q* (or KV cache >= 0.98 with a queue): limit *= clip((running + q*) / (running + waiting), backoff, 0.9);
-   waiting < q* / 2 (the queue runs empty, so decode slots may idle) and the limit binds: limit += step;
-   otherwise hold. A short queue that never empties keeps every decode slot busy without growing latency.
+   waiting < q* / 2 (the queue runs empty, so decode slots may idle) and the limit binds: limit x 2 until the
+   first queue is seen (slow start), then limit += step; otherwise hold. A short queue that never empties keeps every decode slot busy without growing latency.
 3. No gauges: hill climbing on output tokens/s, the probe of BBR ("did more in flight deliver more?", Cardwell
    et al. 2016), with TCP's slow start then additive increase: while a step up raises tokens/s by at least
    `min_gain`, step up again (x2 in slow start, then + step); a step that did not pay is undone (back to the
@@ -132,9 +132,12 @@ class ConcurrencyController:
         self._remember_latency()
         if waiting > 2 * target or (cache >= 0.98 and waiting > 0):
             factor = max(self.cfg.backoff, min(0.9, (running + target) / max(1e-9, running + waiting)))
+            self.slow_start = False
             return self._set(now, self._limit * factor, f"queue {waiting:.1f} > {2 * target:.1f}")
         if waiting < target / 2 and self._binds():
-            return self._set(now, self._limit + self._step(), f"queue {waiting:.1f} empty")
+            up = self._limit * 2 if self.slow_start else self._limit + self._step()
+            return self._set(now, up, f"queue {waiting:.1f} empty")
+        self.slow_start = False
         return self._set(now, self._limit, "hold")
 
     def _decide_climb(self, now: float, elapsed: float) -> bool:

@@ -123,7 +123,14 @@ def gauges(ctl, t, running, waiting, cache=None):
 
 
 def test_gauges_keep_the_queue_short_but_not_empty():
+    ctl = ConcurrencyController(cfg(initial=8, queue_target=0.05), now=0.0)
+    t = gauges(ctl, 0.0, running=8, waiting=0)  # slow start: doubles while the queue is empty
+    t = gauges(ctl, t, running=16, waiting=0)
+    assert ctl.limit == 32
+    t = gauges(ctl, t, running=32, waiting=2)  # a first queue (q* = 1.6, hold band): slow start ends
+    assert ctl.limit == 32 and not ctl.slow_start
     ctl = ConcurrencyController(cfg(initial=64, queue_target=0.05), now=0.0)
+    ctl.slow_start = False
     t = gauges(ctl, 0.0, running=64, waiting=0)  # queue empty: grow by limit/8
     assert ctl.limit == 72
     t = gauges(ctl, t, running=64, waiting=3)  # q* = 3.2: between q*/2 and 2q*: hold
