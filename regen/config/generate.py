@@ -5,7 +5,9 @@ policies are defined in `regen.generate.checks` (QUALITY_CLASSES, POLICIES).
 """
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 POLICY_NAMES = ("retry", "retry_larger", "keep_flagged", "drop")
 
@@ -57,13 +59,45 @@ class HealthConfig(BaseModel):
     max_wait_s: float = 600.0  # an attempt waits this long for any available endpoint, then fails as `connection`
 
 
+class ConcurrencyConfig(BaseModel):
+    """Bounds and gains of `max_in_flight: auto` (`regen.generate.concurrency.ConcurrencyController`), per endpoint.
+
+    A decision is taken once per window: at least `min_samples` completions (and at least as many as the limit)
+    and at least `min_window_s` seconds since the previous decision, after one `settle` turnover.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    initial: int = 8  # requests in flight per endpoint at the start
+    min: int = 1
+    max: int = 1024  # per endpoint; also the number of workers of a process is endpoints x max (capped)
+    min_samples: int = 16
+    min_window_s: float = 1.0
+    min_gain: float = 0.05  # a step up must raise output tokens/s by this fraction to be kept
+    backoff: float = 0.7  # multiplicative decrease on 429/503 (AIMD, Chiu & Jain 1989)
+    latency_tolerance: float = 2.0  # no-gauge mode: p50 TTFT above this x the best window's is a queue
+    metrics: Literal["auto", "off"] = "auto"  # read the server's Prometheus /metrics gauges when it has them
+    metrics_poll_s: float = 1.0
+    queue_target: float = 0.05  # gauge mode: keep waiting ~ this fraction of running (at least 1, never 0)
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> "ConcurrencyConfig":
+        if not 1 <= self.min <= self.initial <= self.max:
+            raise ValueError(f"generate.concurrency needs 1 <= min ({self.min}) <= initial ({self.initial}) "
+                             f"<= max ({self.max})")
+        if not 0 < self.backoff < 1:
+            raise ValueError("generate.concurrency.backoff must be in (0, 1)")
+        return self
+
+
 class GenerateConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str = "moonshotai/Kimi-K3"
     endpoints: list[str] = Field(default_factory=list)  # base URLs ending in /v1; may use ${ENV_VARS}
     api_key_env: str | None = None  # name of the environment variable holding the API key
-    max_in_flight: int = 4096
+    max_in_flight: int | Literal["auto"] = 4096  # or "auto": per-endpoint limit found by `concurrency`
+    concurrency: ConcurrencyConfig = Field(default_factory=ConcurrencyConfig)
     stream: bool = True
     temperature: float = 1.0
     top_p: float = 1.0
@@ -95,10 +129,20 @@ class GenerateConfig(BaseModel):
 
     @field_validator("max_in_flight")
     @classmethod
-    def _check_in_flight(cls, value: int) -> int:
-        if value < 1:
+    def _check_in_flight(cls, value: int | str) -> int | str:
+        if value != "auto" and value < 1:
             raise ValueError("max_in_flight must be >= 1")
         return value
+
+    @property
+    def auto_in_flight(self) -> bool:
+        return self.max_in_flight == "auto"
+
+    def in_flight_cap(self, num_endpoints: int) -> int:
+        """Requests in flight at most for one process: the fixed number, or (auto) endpoints x concurrency.max."""
+        if self.max_in_flight == "auto":
+            return max(1, num_endpoints) * self.concurrency.max
+        return self.max_in_flight
 
     def policy(self, klass: str) -> str:
         """The policy for a quality class: the profile's, else the default."""

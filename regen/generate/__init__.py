@@ -7,6 +7,7 @@ Out: `generations/part-*.parquet` (status ok | error | skipped, with the server'
 Modules, in reading order:
     conversation.py  where assistant turns are generated, each request's body and its content-hash key
     client.py        the transport: endpoint pool, timeouts, backoff with Retry-After, 429 cooldown
+    concurrency.py   max_in_flight auto: each endpoint's in-flight limit from throughput, TTFT, 429/503, /metrics
     checks.py        what a "200 OK" must be: completion parsing and failure classes
     ledger.py        exactly-once storage: fsynced journal -> atomic Parquet parts -> ledger; sha256 checks
                      (`verify_parts`, `check_parts`), repair and supersede into quarantine/

@@ -31,7 +31,8 @@ from email.utils import parsedate_to_datetime
 import aiohttp
 
 from regen.generate.checks import Completion, RequestFailure, classify_status, error_detail, error_object
-from regen.config.generate import HealthConfig, RetryConfig, TimeoutConfig
+from regen.config.generate import ConcurrencyConfig, HealthConfig, RetryConfig, TimeoutConfig
+from regen.generate.concurrency import ConcurrencyController, parse_gauges
 
 try:
     import orjson
@@ -96,9 +97,11 @@ class Endpoint:
         self.num_requests = 0
         self.num_failures = 0
         self.num_429 = 0
+        self.controller: ConcurrencyController | None = None  # max_in_flight: auto
 
     def available(self, now: float) -> bool:
-        return self.healthy and now >= self.cooldown_until and (self.limit is None or self.outstanding < self.limit)
+        return (self.healthy and now >= self.cooldown_until and (self.limit is None or self.outstanding < self.limit)
+                and (self.controller is None or self.outstanding < self.controller.limit))
 
     def summary(self) -> dict:
         return {"endpoint": self.name, "healthy": self.healthy, "requests": self.num_requests,
@@ -142,6 +145,8 @@ class EndpointPool:
             if ep is not None:
                 ep.outstanding += 1
                 ep.num_requests += 1
+                if ep.controller is not None:
+                    ep.controller.on_start(ep.outstanding)
                 return ep
             if any(e.healthy for e in self.endpoints):
                 deadline = now + max_wait_s  # cooling down or at its limit: wait, the endpoint is alive
@@ -196,10 +201,15 @@ class ChatClient:
 
     def __init__(self, endpoints: list[str], *, max_in_flight: int = 4096, timeouts: TimeoutConfig | None = None,
                  health: HealthConfig | None = None, api_key: str | None = None, max_wait_s: float | None = None,
-                 base_cooldown_s: float = 1.0):
+                 base_cooldown_s: float = 1.0, auto: ConcurrencyConfig | None = None):
+        """`auto`: adapt each endpoint's in-flight limit (`regen.generate.concurrency`) under `max_in_flight`."""
         self.timeouts = timeouts or TimeoutConfig()
         self.health = health or HealthConfig()
         self.pool = EndpointPool(endpoints, self.health, max_in_flight, base_cooldown_s)
+        self.auto = auto
+        if auto is not None:
+            for ep in self.pool.endpoints:
+                ep.controller = ConcurrencyController(auto, time.monotonic())
         self.max_in_flight = max_in_flight
         self.max_wait_s = max_wait_s if max_wait_s is not None else max(60.0, 4 * self.health.interval_s)
         self._headers = {"Content-Type": "application/json"}
@@ -216,9 +226,14 @@ class ChatClient:
         timeout = aiohttp.ClientTimeout(total=None, connect=None, sock_connect=self.timeouts.connect, sock_read=None)
         self._session = aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=True)
         self._health_task = asyncio.create_task(self._health_loop())
+        self._gauge_task = None
+        if self.auto is not None and self.auto.metrics == "auto":
+            self._gauge_task = asyncio.create_task(self._gauge_loop())
         return self
 
     async def __aexit__(self, *exc) -> None:
+        if getattr(self, "_gauge_task", None):
+            self._gauge_task.cancel()
         if self._health_task:
             self._health_task.cancel()
             try:
@@ -234,6 +249,62 @@ class ChatClient:
             for ep in self.pool.endpoints:
                 if not ep.healthy and await self.probe(ep):
                     self.pool.mark_healthy(ep)
+
+    async def _gauge_loop(self) -> None:
+        """max_in_flight auto: poll each endpoint's Prometheus `/metrics` (next to `/v1`) every metrics_poll_s and
+        feed its queue and cache gauges to the endpoint's controller; an endpoint without them (3 misses in a
+        row, e.g. 404) is not asked again."""
+        misses = {ep.name: 0 for ep in self.pool.endpoints}
+        while True:
+            await asyncio.sleep(self.auto.metrics_poll_s)
+            for ep in self.pool.endpoints:
+                if misses[ep.name] >= 3:
+                    continue
+                url = ep.base_url.removesuffix("/v1") + "/metrics"
+                gauges = None
+                try:
+                    async with asyncio.timeout(self.health.probe_timeout_s):
+                        async with self._session.get(url, headers=self._headers) as resp:
+                            if resp.status == 200:
+                                gauges = parse_gauges(await resp.text())
+                except (aiohttp.ClientError, OSError, TimeoutError, UnicodeDecodeError):
+                    pass
+                if gauges is None:
+                    misses[ep.name] += 1
+                    continue
+                misses[ep.name] = 0
+                self._limit_moved(ep, ep.controller.on_gauges(time.monotonic(), *gauges))
+
+    def _limit_moved(self, ep: Endpoint, changed: bool) -> None:
+        if changed:
+            self.pool._wake(len(self.pool._waiters))  # a raised limit admits waiters at once
+
+    def _observe(self, ep: Endpoint, c: Completion | None, error_class: str | None, status: int | None) -> None:
+        """Feed one finished attempt to the endpoint's controller (max_in_flight: auto)."""
+        if c is None and error_class is None:
+            return  # cancelled: no observation
+        if c is not None:
+            changed = ep.controller.on_done(time.monotonic(), latency_s=c.latency_s, ttft_s=c.ttft_s,
+                                            output_tokens=c.num_completion_tokens or c.num_chunks)
+        else:
+            changed = ep.controller.on_done(time.monotonic(), error_class=error_class, status=status)
+        self._limit_moved(ep, changed)
+
+    def limits(self) -> dict[str, int] | None:
+        """Current in-flight limit per endpoint name (auto), else None."""
+        if self.auto is None:
+            return None
+        return {ep.name: ep.controller.limit for ep in self.pool.endpoints}
+
+    def limit_history(self) -> dict[str, list] | None:
+        """(t_s since the client started, limit, reason) per endpoint name at every change (auto), else None."""
+        if self.auto is None:
+            return None
+        out = {}
+        for ep in self.pool.endpoints:
+            t0 = ep.controller.history[0][0]
+            out[ep.name] = [(round(t - t0, 3), lim, why) for t, lim, why in ep.controller.history]
+        return out
 
     async def probe(self, ep: Endpoint) -> bool:
         """`GET {base}/models` answered below 500 within probe_timeout_s."""
@@ -257,15 +328,18 @@ class ChatClient:
             self.in_flight += 1
             if self.in_flight > self.peak_in_flight:
                 self.peak_in_flight = self.in_flight
-            error_class, retry_after = None, None
+            error_class, retry_after, c, status = None, None, None, None
             try:
-                return await self._attempt(ep, payload, headers, bool(body.get("stream")))
+                c = await self._attempt(ep, payload, headers, bool(body.get("stream")))
+                return c
             except RequestFailure as exc:
-                error_class, retry_after = exc.error_class, exc.retry_after_s
+                error_class, retry_after, status = exc.error_class, exc.retry_after_s, exc.status
                 raise
             finally:
                 self.in_flight -= 1
                 self.pool.release(ep, error_class, retry_after)
+                if ep.controller is not None:
+                    self._observe(ep, c, error_class, status)
 
     async def _attempt(self, ep: Endpoint, payload: bytes, headers: dict, stream: bool) -> Completion:
         loop = asyncio.get_running_loop()

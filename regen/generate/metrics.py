@@ -35,6 +35,7 @@ class Metrics:
         self.ttfts: list[float] = []
         self.per_minute: dict[int, Counter] = defaultdict(Counter)
         self.peak_in_flight = 0
+        self.limit_history: dict[str, list] | None = None  # max_in_flight auto: endpoint -> [(t_s, limit, reason)]
 
     def _minute(self) -> Counter:
         return self.per_minute[int(time.time() // 60) * 60]
@@ -85,6 +86,8 @@ class Metrics:
             "req_per_s": round(self.attempts / dt, 3), "output_tok_per_s": round(self.output_tokens / dt, 1),
             "peak_in_flight": self.peak_in_flight, "latency_s": {"p50": pct(self.latencies, 0.5), "p90": pct(self.latencies, 0.9), "p99": pct(self.latencies, 0.99)},
             "ttft_s": {"p50": pct(self.ttfts, 0.5), "p90": pct(self.ttfts, 0.9)},
+            **({"in_flight_limits": {ep: {"final": h[-1][1], "changes": len(h) - 1, "history": h}
+                                     for ep, h in self.limit_history.items()}} if self.limit_history else {}),
         }
 
     def throughput_rows(self) -> list[dict]:
@@ -97,6 +100,7 @@ def merge_summaries(summaries: list[dict]) -> dict:
     """Sum the counters of several writers' summaries (Ray actors); percentiles kept per writer."""
     if len(summaries) == 1:
         return summaries[0]
+    limits = {f"{s.get('writer')}:{ep}": v for s in summaries for ep, v in (s.get("in_flight_limits") or {}).items()}
     out: dict = {"writers": summaries, "attempts": 0, "output_tokens": 0, "prompt_tokens": 0,
                  "peak_in_flight": sum(s.get("peak_in_flight", 0) for s in summaries)}
     for key in ("rows", "error_rows_by_class", "failures_by_class", "flags"):
@@ -111,6 +115,8 @@ def merge_summaries(summaries: list[dict]) -> dict:
     out["wall_s"] = wall
     out["req_per_s"] = round(out["attempts"] / wall, 3)
     out["output_tok_per_s"] = round(out["output_tokens"] / wall, 1)
+    if limits:
+        out["in_flight_limits"] = limits  # "writer:endpoint" -> final, changes, history
     return out
 
 
@@ -137,6 +143,14 @@ def write_throughput(path, rows: list[dict]) -> None:
     write_parquet_atomic(pa.Table.from_pylist(out, schema=THROUGHPUT_SCHEMA), path, THROUGHPUT_SCHEMA)
 
 
+def format_stats(snapshot: dict, in_flight: int, limit: int | None = None) -> str:
+    """The figures of the progress line: req/s, output tok/s, in flight (/ the auto limit), errors by class."""
+    errors = " ".join(f"{k}={v}" for k, v in sorted(snapshot["failures"].items()))
+    flight = f"in flight {in_flight}" + (f"/{limit} auto" if limit is not None else "")
+    return (f"{snapshot['req_per_s']:.1f} req/s  {snapshot['out_tok_per_s']:.0f} tok/s  {flight}"
+            + (f"  errors {errors}" if errors else ""))
+
+
 class ProgressLine:
     """A rich progress bar: units done / total, req/s, output tok/s, in flight, errors by class, ETA."""
 
@@ -153,12 +167,11 @@ class ProgressLine:
         self.task = self.progress.add_task("generate", total=total, completed=done, stats="")
         self.progress.start()
 
-    def update(self, done: int, snapshot: dict, in_flight: int) -> None:
+    def update(self, done: int, snapshot: dict, in_flight: int, limit: int | None = None) -> None:
+        """`limit`: the current in-flight limit (max_in_flight auto: the sum over endpoints), shown as n/limit."""
         if not self.enabled:
             return
-        errors = " ".join(f"{k}={v}" for k, v in sorted(snapshot["failures"].items()))
-        stats = (f"{snapshot['req_per_s']:.1f} req/s  {snapshot['out_tok_per_s']:.0f} tok/s  "
-                 f"in flight {in_flight}" + (f"  errors {errors}" if errors else ""))
+        stats = format_stats(snapshot, in_flight, limit)
         self.progress.update(self.task, completed=done, stats=stats)
 
     def close(self) -> None:

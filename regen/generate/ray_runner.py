@@ -73,7 +73,7 @@ def _actor_class():
             if r is None:
                 return 0, 0, {"req_per_s": 0.0, "out_tok_per_s": 0.0, "failures": {}}, 0
             in_flight = r.client.in_flight if r.client is not None else 0
-            return r.done_units, r.total_units, r.metrics.snapshot(), in_flight
+            return r.done_units, r.total_units, {**r.metrics.snapshot(), "limit": r._limit()}, in_flight
 
     return GenerateActor
 
@@ -106,7 +106,9 @@ def run_on_ray(cfg: GenerateConfig, gen_dir: Path, files: list[Path], endpoints:
                     for s in states:
                         for k, v in s[2]["failures"].items():
                             snap["failures"][k] = snap["failures"].get(k, 0) + v
-                    bar.update(done, snap, sum(s[3] for s in states))
+                    limits = [s[2].get("limit") for s in states]
+                    bar.update(done, snap, sum(s[3] for s in states),
+                               sum(limits) if all(x is not None for x in limits) else None)
         if bar is not None:
             bar.close()
         return ray.get(refs)

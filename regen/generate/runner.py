@@ -232,6 +232,11 @@ class Runner:
             await self._record([row])
             history = history + [history_message(assistant, self.cfg)] + seg
 
+    def _limit(self) -> int | None:
+        """The sum of the endpoints' current in-flight limits under `max_in_flight: auto`, else None."""
+        limits = self.client.limits() if self.client is not None else None
+        return sum(limits.values()) if limits else None
+
     # -- the loop
     async def run(self) -> dict:
         recorded, partial = self.plan()
@@ -239,8 +244,9 @@ class Runner:
         for r in ledger_mod.load_rows(self.gen_dir, partial):
             cut.setdefault(r["prompt_id"], []).append(r)
         bar = ProgressLine(self.total_units, self.done_units, self.show_progress)
-        queue: asyncio.Queue = asyncio.Queue(self.cfg.queue_size or 2 * self.cfg.max_in_flight)
-        num_workers = self.cfg.max_in_flight
+        cap = self.cfg.in_flight_cap(len(self.endpoints))  # auto: workers for every endpoint's highest limit
+        queue: asyncio.Queue = asyncio.Queue(self.cfg.queue_size or 2 * cap)
+        num_workers = cap
         self.ledger = await ledger_mod.Ledger(self.gen_dir, self.writer, self.cfg.part_rows,
                                               self.cfg.part_interval_s).start()
 
@@ -261,14 +267,15 @@ class Runner:
 
         async def tick():
             while True:
-                bar.update(self.done_units, self.metrics.snapshot(), self.client.in_flight)
+                bar.update(self.done_units, self.metrics.snapshot(), self.client.in_flight, self._limit())
                 await asyncio.sleep(0.5)
 
         fatal = None
         try:
-            async with ChatClient(self.endpoints, max_in_flight=self.cfg.max_in_flight, timeouts=self.cfg.timeouts,
+            async with ChatClient(self.endpoints, max_in_flight=cap, timeouts=self.cfg.timeouts,
                                   health=self.cfg.health, api_key=self.api_key, max_wait_s=self.cfg.health.max_wait_s,
-                                  base_cooldown_s=self.cfg.retry.base_s) as client:
+                                  base_cooldown_s=self.cfg.retry.base_s,
+                                  auto=self.cfg.concurrency if self.cfg.auto_in_flight else None) as client:
                 self.client = client
                 ticker = asyncio.create_task(tick())
                 try:
@@ -283,6 +290,7 @@ class Runner:
                     bar.update(self.done_units, self.metrics.snapshot(), 0)
                     self.endpoint_summary = [e.summary() for e in client.pool.endpoints]
                     self.metrics.peak_in_flight = client.peak_in_flight
+                    self.metrics.limit_history = client.limit_history()
         finally:
             await self.ledger.close()
             bar.close()

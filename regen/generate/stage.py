@@ -332,7 +332,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_profile_arguments(parser)
     parser.add_argument("--endpoint", action="append", default=None, metavar="URL",
                         help="OpenAI-compatible base URL ending in /v1 (repeatable; overrides generate.endpoints)")
-    parser.add_argument("--max-in-flight", type=int, default=None, help="requests in flight (generate.max_in_flight)")
+    parser.add_argument("--max-in-flight", type=_in_flight_arg, default=None,
+                        help="requests in flight, or auto: per endpoint from its signals (generate.max_in_flight)")
     parser.add_argument("--ray", default=None, metavar="ADDRESS|auto|local",
                         help="split the work across Ray actors (auto: the running cluster, else a loopback one)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -343,6 +344,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--classes", default=None, metavar="CLASS,...",
                         help=f"with --retry-errors: error classes to re-send (default: {','.join(TRANSIENT)}; "
                              "bad_request and context_overflow only when named)")
+
+
+def _in_flight_arg(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r}: give a number of requests or auto") from None
 
 
 def main(args) -> int:

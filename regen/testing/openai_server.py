@@ -8,9 +8,12 @@ prints `listening on http://HOST:PORT/v1` once ready. Endpoints:
     POST /v1/chat/completions   streamed (SSE) or not; answers derive from sha256 of the request (messages,
                                 model, tools, sampling; not `stream`), so the same request gets the same answer
     GET  /v1/models, /health    503 while `down`
+    GET  /metrics               Prometheus gauges of the capacity model when `metrics` is "vllm" or "sglang", else 404
     GET  /_log                  received requests: seq, key (X-Regen-Request-Key), body_sha, stream, fault,
                                 status, and the body when log_bodies (never headers: no API key is logged)
     POST /_log/clear            empty the log
+    GET  /_timings              when `timings`: [key, received_t, ended_t] per chat request (unix seconds; the end
+                                is when the handler returned or was cancelled by a dropped connection)
     POST /_control              merge settings (JSON object), e.g. {"faults": {"429": 0.2}, "down": true}
     GET  /_control              current settings
 
@@ -25,6 +28,14 @@ mid-stream), malformed (body / SSE event not JSON), empty (200 with empty body /
 empty_content, truncated (finish_reason length, reasoning only), leak (<think>..</think> in content),
 unbalanced (a lone </think>), bad_tool_json (tool-call arguments not JSON).
 Wire shapes: OpenAI chat-completions reference; vLLM `return_token_ids` (prompt_token_ids, choices[].token_ids).
+
+Capacity model (`slots` > 0; benchmarks of `max_in_flight: auto`): `slots` decode slots served in arrival order,
+a queue beyond (more than `max_waiting` waiting: 503 at once). An admitted request waits `prefill_s`, then
+decodes its tokens at itl_s x (1 + load_factor x running / slots) seconds per token (every running request
+slows as the batch grows), streamed as it decodes, first byte only once admitted (as vLLM). Lengths are long
+tailed with `length_sigma` > 0: reasoning and content lengths x exp(sigma z - sigma^2 / 2), z ~ N(0, 1) seeded by
+the request (mean kept). `/metrics` exposes running, waiting and cache usage (tokens held / `kv_tokens`, else
+running / slots) under vLLM's or SGLang's names.
 """
 from __future__ import annotations
 
@@ -110,6 +121,15 @@ class Settings:
     log: bool = True  # False: keep no request log (benchmarks)
     fixed: bool = False  # every request gets the same pre-encoded answer (benchmarks: the cheapest server)
     error_message: str | None = None  # replaces the message of injected HTTP errors (ERROR_FAULTS)
+    slots: int = 0  # capacity model (module doc): decode slots; 0 = unlimited, answers at once
+    itl_s: float = 0.0  # seconds per output token of one request decoding alone
+    load_factor: float = 1.0  # ITL x (1 + load_factor x running / slots)
+    prefill_s: float = 0.0
+    max_waiting: int | None = None  # queue bound: beyond it, 503 at once
+    kv_tokens: int = 0  # cache size in tokens for the usage gauge (0: running / slots)
+    metrics: str | None = None  # "vllm" | "sglang": serve /metrics gauges
+    length_sigma: float = 0.0  # lognormal spread of answer lengths (0: every answer has `tokens`)
+    timings: bool = False  # keep [key, received, ended] per chat request (GET /_timings; bench/scale.py)
 
 
 class FakeOpenAI:
@@ -122,12 +142,17 @@ class FakeOpenAI:
         self.log_file = open(log_file, "a", encoding="utf-8") if log_file else None
         self._cache: dict = {}
         self._bytes: dict = {}
+        self.running = self.waiting = self.kv_used = 0
+        self.timings: list[tuple] = []
+        self._slot_free: asyncio.Condition | None = None
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=256 * 1024 * 1024)
-        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/chat/completions", self._timed_chat)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.models)
+        app.router.add_get("/metrics", self.prometheus)
+        app.router.add_get("/_timings", self.get_timings)
         app.router.add_get("/_log", self.get_log)
         app.router.add_post("/_log/clear", self.clear_log)
         app.router.add_get("/_control", self.get_control)
@@ -190,12 +215,17 @@ class FakeOpenAI:
         s = self.settings
         basis = {k: body.get(k) for k in ("model", "messages", "tools", "temperature", "top_p", "seed")}
         digest = hashlib.sha256(json.dumps(basis, sort_keys=True, ensure_ascii=False).encode()).digest()
-        cache_key = (digest, body.get("max_tokens"), s.tokens, s.reasoning_tokens, s.reasoning_field, s.tool_calls)
+        cache_key = (digest, body.get("max_tokens"), s.tokens, s.reasoning_tokens, s.reasoning_field, s.tool_calls,
+                     s.length_sigma)
         if cache_key in self._cache:
             return self._cache[cache_key]
         budget = body.get("max_tokens") or 1 << 30
-        n_reason = min(s.reasoning_tokens, budget) if s.reasoning_field else 0
-        n_content = max(0, min(s.tokens, budget - n_reason))
+        want_reason, want_content = s.reasoning_tokens, s.tokens
+        if s.length_sigma:
+            scale = _lognormal_scale(digest, s.length_sigma)
+            want_reason, want_content = round(want_reason * scale), max(1, round(want_content * scale))
+        n_reason = min(want_reason, budget) if s.reasoning_field else 0
+        n_content = max(0, min(want_content, budget - n_reason))
         words = [WORDS[(digest[i % 32] + i * 7) % len(WORDS)] for i in range(n_reason + n_content)]
         ids = [(digest[i % 32] * 131 + i) % 50_000 + 10 for i in range(n_reason + n_content)]
         msgs = body.get("messages") or []
@@ -209,7 +239,7 @@ class FakeOpenAI:
             "reasoning": [w + " " for w in words[:n_reason]], "content": [w + " " for w in words[n_reason:]],
             "token_ids": ids, "prompt_token_ids": [(digest[i % 32] + i) % 50_000 + 10 for i in range(prompt_words)],
             "tool_call": tool_call, "finish_reason": "tool_calls" if tool_call else
-            ("length" if n_reason + n_content >= budget and budget < s.tokens + n_reason else "stop"),
+            ("length" if n_reason + n_content >= budget and budget < want_content + n_reason else "stop"),
         }
         if len(self._cache) < 100_000:
             self._cache[cache_key] = ans
@@ -279,6 +309,8 @@ class FakeOpenAI:
                                         "function": {"name": "tool", "arguments": "{\"query\": oops"}},
                    "finish_reason": "tool_calls"}
         want_ids = bool(body.get("return_token_ids"))
+        if s.slots and fault is None:
+            return await self._served(request, body, ans, want_ids, stream)
         if stream:
             return await self._stream(request, body, ans, fault, want_ids)
         return await self._whole(request, body, ans, fault, want_ids)
@@ -389,6 +421,107 @@ class FakeOpenAI:
             await resp.write(b"".join(encoded))
         await resp.write_eof()
         return resp
+
+
+    async def _timed_chat(self, request: web.Request) -> web.StreamResponse:
+        if not self.settings.timings:
+            return await self.chat(request)
+        t0 = time.time()
+        try:
+            return await self.chat(request)
+        finally:
+            self.timings.append((request.headers.get("X-Regen-Request-Key"), t0, time.time()))
+
+    async def get_timings(self, request: web.Request) -> web.Response:
+        return web.Response(body=_dumps(self.timings), content_type="application/json")
+
+    # -- the capacity model (Settings.slots)
+    async def _served(self, request, body, ans, want_ids, stream) -> web.StreamResponse:
+        """Queue for a decode slot, prefill, then decode at the batch's pace (module doc, "Capacity model")."""
+        s = self.settings
+        if self._slot_free is None:
+            self._slot_free = asyncio.Condition()
+        if s.max_waiting is not None and self.waiting >= s.max_waiting:
+            return web.json_response({"error": {"message": "queue full", "code": "overloaded"}}, status=503)
+        n_tokens = len(ans["reasoning"]) + len(ans["content"])
+        held = len(ans["prompt_token_ids"]) + n_tokens
+        self.waiting += 1
+        try:
+            async with self._slot_free:
+                await self._slot_free.wait_for(lambda: self.running < s.slots)
+                self.running += 1
+        finally:
+            self.waiting -= 1
+        self.kv_used += held
+        try:
+            if s.prefill_s:
+                await asyncio.sleep(s.prefill_s)
+            if not stream:
+                await self._decode(n_tokens)
+                return await self._whole(request, body, ans, None, want_ids)
+            capture = _Capture()
+            await self._stream(capture, body, ans, None, want_ids)
+            events = [e + b"\n\n" for e in capture.data.split(b"\n\n") if e]
+            resp = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            await resp.prepare(request)
+            head, tail = 1, max(1, len(events) - n_tokens - 1)  # role event first; usage, finish, [DONE] last
+            await resp.write(b"".join(events[:head]))
+            sent = head
+            async for done in self._decoding(n_tokens):
+                upto = min(len(events) - tail, head + done)
+                if upto > sent:
+                    await resp.write(b"".join(events[sent:upto]))
+                    sent = upto
+            await resp.write(b"".join(events[sent:]))
+            await resp.write_eof()
+            return resp
+        finally:
+            self.kv_used -= held
+            async with self._slot_free:
+                self.running -= 1
+                self._slot_free.notify(1)
+
+    def _itl(self) -> float:
+        s = self.settings
+        return s.itl_s * (1 + s.load_factor * self.running / max(1, s.slots))
+
+    async def _decoding(self, n_tokens: int, step_s: float = 0.05):
+        """Yield the number of tokens decoded so far, every step_s, until n_tokens (the ITL follows the load)."""
+        done = 0.0
+        while done < n_tokens:
+            itl = self._itl()
+            if itl <= 0:
+                break
+            dt = min(step_s, (n_tokens - done) * itl)
+            await asyncio.sleep(dt)
+            done += dt / itl
+            yield int(done)
+        yield n_tokens
+
+    async def _decode(self, n_tokens: int) -> None:
+        async for _ in self._decoding(n_tokens):
+            pass
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        s = self.settings
+        if s.metrics not in ("vllm", "sglang"):
+            return web.Response(status=404, text="no metrics")
+        usage = self.kv_used / s.kv_tokens if s.kv_tokens else self.running / max(1, s.slots)
+        names = {"vllm": ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"),
+                 "sglang": ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage")}[s.metrics]
+        lines = []
+        for name, value in zip(names, (self.running, self.waiting, min(1.0, usage))):
+            lines += [f"# HELP {name} capacity model of regen.testing.openai_server", f"# TYPE {name} gauge",
+                      f'{name}{{model_name="fake"}} {float(value)}']
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
+
+def _lognormal_scale(digest: bytes, sigma: float) -> float:
+    """exp(sigma z - sigma^2 / 2), z ~ N(0, 1) drawn from the request's digest: mean 1, long right tail."""
+    import math
+
+    z = random.Random(digest).gauss(0.0, 1.0)
+    return math.exp(sigma * z - sigma * sigma / 2)
 
 
 class _Capture:

@@ -1,0 +1,157 @@
+"""Benchmark `generate.max_in_flight: auto` against the best fixed concurrency, side by side in one run.
+
+    python -P bench/saturate.py [--quick] [--skip-embedded] [--seconds S] [--slots N] [--levels 4,8,16,...]
+
+For each target, sweep fixed concurrencies (a closed loop of C requests always in flight through
+`regen.generate.client.ChatClient` for S seconds each), take the one with the most output tokens/s as the best,
+then run `auto` (the same client with `ConcurrencyController` per endpoint) for S seconds. Targets:
+
+  slots          `regen.testing.openai_server` in its own process with a fixed capacity: N decode slots, a queue
+                 beyond, ITL growing with the batch, long-tailed answers of reasoning + content (no /metrics: the
+                 controller sees only throughput, TTFT, 429/503)
+  slots+metrics  the same server exposing vLLM's /metrics gauges (running, waiting, KV cache usage)
+  embedded       the local profile's embedded target (`regen.serve.server.EmbeddedTarget`, transformers serve on
+                 CPU); slow here (about 1 minute per level): --skip-embedded leaves it out
+
+Printed per run: output tokens/s, p50 latency (s), requests; then per target the ratios auto / best fixed.
+Goals (issue 13): auto >= 0.95x the best fixed concurrency's tokens/s with p50 latency <= 1.5x its p50.
+Measured over the whole S seconds for every run (auto's ramp from `concurrency.initial` included).
+`--quick` (test server only, about 15 s) is run by the test suite, which checks that the figures are printed and
+sane, not the goals. Wall-clock figures depend on the machine's load (printed).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from regen.config.generate import ConcurrencyConfig, TimeoutConfig  # noqa: E402
+from regen.generate.client import ChatClient  # noqa: E402
+
+
+def start_server(settings: dict) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, "-m", "regen.testing.openai_server", "--port", "0", "--settings",
+                             json.dumps(settings)], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    line = proc.stdout.readline()
+    if "listening on" not in line:
+        proc.kill()
+        raise RuntimeError(f"test server did not start: {line!r}")
+    return proc, line.split("listening on", 1)[1].strip()
+
+
+async def closed_loop(url: str, model: str, seconds: float, concurrency: int | None, max_tokens: int,
+                      auto: ConcurrencyConfig | None) -> dict:
+    """C workers (or, auto, as many as auto.max) each sending one request after another for `seconds`."""
+    workers = concurrency or auto.max
+    lat: list[float] = []
+    tokens = 0
+    timeouts = TimeoutConfig(first_byte=600, between_chunks=300, total=1200)
+    async with ChatClient([url], max_in_flight=workers, auto=auto, timeouts=timeouts) as client:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        end = t0 + seconds
+
+        async def worker(w: int) -> None:
+            nonlocal tokens
+            i = 0
+            while loop.time() < end:
+                i += 1
+                body = {"model": model, "messages": [{"role": "user", "content": f"Tell me about item {w}-{i}."}],
+                        "max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True}}
+                try:
+                    c = await client.complete(body)
+                except Exception:  # a refused or failed attempt counts nothing
+                    await asyncio.sleep(0.05)
+                    continue
+                if loop.time() <= end:
+                    lat.append(c.latency_s)
+                    tokens += c.num_completion_tokens or c.num_chunks
+
+        await asyncio.gather(*[worker(w) for w in range(workers)])
+        wall = loop.time() - t0
+        limits = client.limits()
+        history = client.limit_history()
+    out = {"concurrency": concurrency or "auto", "tok_s": round(tokens / seconds, 1),
+           "p50_latency_s": round(statistics.median(lat), 3) if lat else None, "requests": len(lat),
+           "wall_s": round(wall, 1)}
+    if limits:
+        h = next(iter(history.values()))
+        out["final_limit"] = next(iter(limits.values()))
+        out["limit_changes"] = len(h) - 1
+        out["limit_path"] = [x[1] for x in h][:12]
+    return out
+
+
+def sweep(name: str, url: str, model: str, levels: list[int], seconds: float, max_tokens: int,
+          auto: ConcurrencyConfig) -> dict:
+    rows = []
+    for c in levels:
+        r = asyncio.run(closed_loop(url, model, seconds, c, max_tokens, None))
+        print(json.dumps({"target": name, **r, "load_avg": round(os.getloadavg()[0], 2)}), flush=True)
+        rows.append(r)
+    best = max(rows, key=lambda r: r["tok_s"])
+    r = asyncio.run(closed_loop(url, model, seconds, None, max_tokens, auto))
+    print(json.dumps({"target": name, **r, "load_avg": round(os.getloadavg()[0], 2)}), flush=True)
+    ratios = {"target": name, "best_fixed": best["concurrency"], "best_tok_s": best["tok_s"], "auto_tok_s": r["tok_s"],
+              "tok_s_ratio": round(r["tok_s"] / best["tok_s"], 3) if best["tok_s"] else None,
+              "p50_ratio": (round(r["p50_latency_s"] / best["p50_latency_s"], 3)
+                            if r["p50_latency_s"] and best["p50_latency_s"] else None)}
+    ratios["goals_met"] = bool(ratios["tok_s_ratio"] and ratios["tok_s_ratio"] >= 0.95
+                               and ratios["p50_ratio"] is not None and ratios["p50_ratio"] <= 1.5)
+    print("RATIO " + json.dumps(ratios), flush=True)
+    return ratios
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="test server only, short runs (the test suite's mode)")
+    p.add_argument("--skip-embedded", action="store_true", help="leave out the embedded target (slow on CPU)")
+    p.add_argument("--seconds", type=float, default=None, help="seconds per run (default 30; quick 2.5)")
+    p.add_argument("--slots", type=int, default=32, help="decode slots of the test server")
+    p.add_argument("--levels", default=None, help="fixed concurrencies, comma separated")
+    args = p.parse_args(argv)
+    seconds = args.seconds or (2.5 if args.quick else 30.0)
+    slots = 8 if args.quick else args.slots
+    levels = [int(x) for x in args.levels.split(",")] if args.levels else (
+        [4, 8, 16, 32] if args.quick else [s for s in (slots // 4, slots // 2, slots, 2 * slots, 4 * slots) if s >= 1])
+    auto = ConcurrencyConfig(initial=4, max=max(levels) * 2, min_window_s=0.25 if args.quick else 1.0,
+                             metrics_poll_s=0.25 if args.quick else 0.5, min_samples=8 if args.quick else 16)
+    print(json.dumps({"seconds_per_run": seconds, "slots": slots, "levels": levels, "cpus": os.cpu_count(),
+                      "load_avg": round(os.getloadavg()[0], 2), "auto": auto.model_dump()}), flush=True)
+    server = {"slots": slots, "itl_s": 0.004, "load_factor": 1.0, "prefill_s": 0.005, "tokens": 48,
+              "reasoning_tokens": 48, "length_sigma": 0.6, "log": False}
+    results = []
+    for name, extra in (("slots", {}), ("slots+metrics", {"metrics": "vllm"})):
+        proc, url = start_server({**server, **extra})
+        try:
+            results.append(sweep(name, url, "fake", levels, seconds, 4096, auto))
+        finally:
+            proc.terminate()
+            proc.wait(10)
+    if not (args.quick or args.skip_embedded):
+        from regen.config.serve import ServeConfig
+        from regen.serve.server import EmbeddedTarget
+
+        emb_auto = ConcurrencyConfig(initial=2, max=32, min_window_s=5.0, metrics_poll_s=2.0, min_samples=8)
+        with EmbeddedTarget(ServeConfig()) as target:
+            results.append(sweep("embedded", target.base_url, target.model, [1, 4, 8, 16], max(seconds, 60.0), 32,
+                                 emb_auto))
+    print("SUMMARY " + json.dumps(results), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

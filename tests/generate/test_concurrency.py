@@ -1,0 +1,235 @@
+"""`max_in_flight: auto`: the pure controller fed literal observations (its decisions asserted), then closed
+loop against a simulated server of N decode slots with a queue beyond."""
+from __future__ import annotations
+
+import heapq
+
+import pytest
+
+from regen.config.generate import ConcurrencyConfig, GenerateConfig
+from regen.generate.concurrency import ConcurrencyController
+
+
+def cfg(**kw) -> ConcurrencyConfig:
+    base = {"initial": 4, "min": 1, "max": 256, "min_samples": 4, "min_window_s": 1.0}
+    return ConcurrencyConfig(**{**base, **kw})
+
+
+def window(ctl: ConcurrencyController, t: float, *, tokens_per_s: float, ttft: float = 0.01, latency: float = 0.5,
+           n: int | None = None, binding: bool = True) -> float:
+    """Feed one full window of completions starting at t (after the settle time); returns the end time."""
+    t = max(t, ctl._settle_until)
+    n = n or max(ctl.cfg.min_samples, ctl.limit)
+    duration = max(ctl.cfg.min_window_s, latency) * 1.01
+    ctl.on_start(ctl.limit if binding else max(0, ctl.limit - 2))
+    for i in range(n):
+        ctl.on_done(t + duration * (i + 1) / n, latency_s=latency, ttft_s=ttft,
+                    output_tokens=round(tokens_per_s * duration / n))
+    return t + duration
+
+
+def test_slow_start_doubles_while_throughput_grows_and_undoes_a_step_that_did_not_pay():
+    ctl = ConcurrencyController(cfg(), now=0.0)
+    t = 0.0
+    limits = [ctl.limit]
+    for rate in (100, 200, 400):  # rate proportional to the limit: keep doubling
+        t = window(ctl, t, tokens_per_s=rate)
+        limits.append(ctl.limit)
+    assert limits == [4, 8, 16, 32]
+    t = window(ctl, t, tokens_per_s=410)  # 32 in flight gave nothing over 16: back to 16, slow start over
+    assert ctl.limit == 16 and not ctl.slow_start
+    assert ctl.history[-1][1] == 16 and ctl.history[-1][2].endswith("no gain")
+    for _ in range(3):  # held at 16 for HOLD_WINDOWS windows ...
+        t = window(ctl, t, tokens_per_s=400)
+        assert ctl.limit == 16
+    t = window(ctl, t, tokens_per_s=400)  # ... then probed by +limit/8
+    assert ctl.limit == 18
+
+
+def test_additive_probe_kept_when_it_pays():
+    ctl = ConcurrencyController(cfg(initial=16), now=0.0)
+    ctl.slow_start = False
+    t = window(ctl, 0.0, tokens_per_s=1000)
+    assert ctl.limit == 18
+    t = window(ctl, t, tokens_per_s=1100)  # +10% >= min_gain 5%: keep climbing
+    assert ctl.limit == 20
+    t = window(ctl, t, tokens_per_s=1120)  # +1.8%: undo to 18
+    assert ctl.limit == 18
+
+
+@pytest.mark.parametrize("how", [{"error_class": "rate_limited"}, {"error_class": "server_error", "status": 503},
+                                 {"error_class": "connection", "status": 429}])
+def test_429_and_503_back_off_multiplicatively_at_once(how):
+    ctl = ConcurrencyController(cfg(initial=40), now=0.0)
+    changed = ctl.on_done(0.1, **how)  # no need to wait for the window
+    assert changed and ctl.limit == 28  # 40 x 0.7
+    assert ctl.history[-1] == (0.1, 28, "overload (429/503)")
+    assert ctl.hold == 3
+
+
+def test_other_failures_do_not_back_off():
+    ctl = ConcurrencyController(cfg(initial=40), now=0.0)
+    for k in ("timeout", "connection", "bad_request"):
+        assert not ctl.on_done(0.1, error_class=k, status=500 if k == "connection" else None)
+    assert ctl.limit == 40
+
+
+def test_never_below_min_nor_above_max():
+    ctl = ConcurrencyController(cfg(initial=2, min=2, max=5), now=0.0)
+    for i in range(5):
+        ctl.on_done(10.0 * i + ctl._settle_until, error_class="rate_limited")
+    assert ctl.limit == 2
+    ctl = ConcurrencyController(cfg(initial=4, max=5), now=0.0)
+    t = 0.0
+    for rate in (100, 200, 400, 800):
+        t = window(ctl, t, tokens_per_s=rate)
+    assert ctl.limit == 5
+
+
+def test_a_limit_that_never_binds_does_not_grow():
+    ctl = ConcurrencyController(cfg(initial=8), now=0.0)
+    t = 0.0
+    for rate in (100, 200, 400):
+        t = window(ctl, t, tokens_per_s=rate, binding=False)
+    assert ctl.limit == 8 and ctl.history == [(0.0, 8, "initial")]
+
+
+def test_rising_time_to_first_token_steps_down():
+    ctl = ConcurrencyController(cfg(initial=32), now=0.0)
+    ctl.slow_start = False
+    t = window(ctl, 0.0, tokens_per_s=1000, ttft=0.02, latency=1.0)  # base TTFT 0.02 s
+    limit = ctl.limit
+    window(ctl, t, tokens_per_s=1000, ttft=0.4, latency=1.4)  # 20x base and 0.38 s > 10% of p50 latency
+    assert ctl.limit == int(limit - max(1, limit / 8))
+    assert "queued" in ctl.history[-1][2]
+
+
+def test_ttft_jitter_below_a_tenth_of_the_latency_is_not_a_queue():
+    ctl = ConcurrencyController(cfg(initial=32), now=0.0)
+    ctl.slow_start = False
+    t = window(ctl, 0.0, tokens_per_s=1000, ttft=0.002, latency=1.0)
+    limit = ctl.limit
+    window(ctl, t, tokens_per_s=1000, ttft=0.02, latency=1.0)  # 10x, but 18 ms of a 1 s request
+    assert "queued" not in ctl.history[-1][2] and ctl.limit <= limit
+
+
+def gauges(ctl, t, running, waiting, cache=None):
+    """Two readings 0.6 s apart: the window (min_window_s 1) decides at the second."""
+    t = max(t, ctl._settle_until)
+    ctl.on_start(ctl.limit)
+    for i in range(2):
+        ctl.on_gauges(t + 0.6 * (i + 1), running, waiting, cache)
+    return t + 1.2
+
+
+def test_gauges_keep_the_queue_short_but_not_empty():
+    ctl = ConcurrencyController(cfg(initial=8, queue_target=0.05), now=0.0)
+    t = gauges(ctl, 0.0, running=8, waiting=0)  # slow start: doubles while the queue is empty
+    t = gauges(ctl, t, running=16, waiting=0)
+    assert ctl.limit == 32
+    t = gauges(ctl, t, running=32, waiting=2)  # a first queue (q* = 1.6, hold band): slow start ends
+    assert ctl.limit == 32 and not ctl.slow_start
+    ctl = ConcurrencyController(cfg(initial=64, queue_target=0.05), now=0.0)
+    ctl.slow_start = False
+    t = gauges(ctl, 0.0, running=64, waiting=0)  # queue empty: grow by limit/8
+    assert ctl.limit == 72
+    t = gauges(ctl, t, running=64, waiting=3)  # q* = 3.2: between q*/2 and 2q*: hold
+    assert ctl.limit == 72
+    t = gauges(ctl, t, running=64, waiting=40)  # far too long: scale by (64 + 3.2) / (64 + 40) = 0.646 -> 0.7 floor
+    assert ctl.limit == int(72 * 0.7)
+    t = gauges(ctl, t, running=64, waiting=8)  # (64 + 3.2) / 72 = 0.933 -> at most 0.9
+    assert ctl.limit == int(int(72 * 0.7) * 0.9)
+    t = gauges(ctl, t, running=40, waiting=5)  # q* = 1 (floor): 5 > 2 -> (40 + 1) / 45 = 0.911 -> 0.9
+    assert ctl.limit == int(int(int(72 * 0.7) * 0.9) * 0.9)
+
+
+def test_a_full_kv_cache_with_a_queue_backs_off_and_gauges_idle_limit_does_not_grow():
+    ctl = ConcurrencyController(cfg(initial=64), now=0.0)
+    gauges(ctl, 0.0, running=60, waiting=2, cache=0.99)  # the queue is short but the cache is full
+    assert ctl.limit == int(64 * 0.9)
+    ctl = ConcurrencyController(cfg(initial=64), now=0.0)
+    t = max(0.0, ctl._settle_until)
+    ctl.on_start(10)  # the client never used more than 10 of 64
+    for i in range(3):
+        ctl.on_gauges(t + i, 10, 0, 0.1)
+    assert ctl.limit == 64
+
+
+def test_config_bounds_and_auto_value():
+    assert GenerateConfig(max_in_flight="auto").in_flight_cap(8) == 8 * 1024
+    assert GenerateConfig(max_in_flight=12).in_flight_cap(8) == 12
+    for bad in ({"initial": 0}, {"min": 8, "initial": 4}, {"initial": 9, "max": 8}, {"backoff": 1.0}):
+        with pytest.raises(ValueError, match="concurrency"):
+            ConcurrencyConfig(**bad)
+    with pytest.raises(ValueError):
+        GenerateConfig(max_in_flight="many")
+
+
+# ---------------------------------------------------------------- closed loop on a simulated server
+
+
+def simulate(slots: int, limit_of, seconds: float = 300.0, tokens: int = 100, itl_s: float = 0.01,
+             load_factor: float = 1.0, gauges_every: float | None = None, ctl: ConcurrencyController | None = None):
+    """Event simulation: a client keeping `limit_of()` requests outstanding against a server of `slots` decode
+    slots (FIFO queue beyond); a request's service time is tokens x itl_s x (1 + load_factor x running/slots).
+    Returns (output tokens/s, p50 latency) over the second half."""
+    t, seq = 0.0, 0
+    events: list = []  # (time, seq, kind, request)
+    queue: list = []
+    running = 0
+    outstanding = 0
+    done: list[tuple[float, float]] = []  # (end, latency)
+
+    def admit(now):
+        nonlocal running, seq
+        while queue and running < slots:
+            start = queue.pop(0)
+            running += 1
+            service = tokens * itl_s * (1 + load_factor * running / slots)
+            seq += 1
+            heapq.heappush(events, (now + service, seq, "end", (start, now)))
+
+    def fill(now):
+        nonlocal outstanding
+        while outstanding < limit_of():
+            outstanding += 1
+            if ctl:
+                ctl.on_start(outstanding)
+            queue.append(now)
+        admit(now)
+
+    if gauges_every:
+        heapq.heappush(events, (gauges_every, -1, "gauges", None))
+    fill(0.0)
+    while events:
+        t, _, kind, req = heapq.heappop(events)
+        if t > seconds:
+            break
+        if kind == "gauges":
+            ctl.on_gauges(t, running, len(queue), None)
+            heapq.heappush(events, (t + gauges_every, -1, "gauges", None))
+        else:
+            start, admitted = req
+            running -= 1
+            outstanding -= 1
+            done.append((t, t - start))
+            if ctl:
+                ctl.on_done(t, latency_s=t - start, ttft_s=admitted - start + 0.001, output_tokens=tokens)
+            admit(t)
+        fill(t)
+    half = [d for d in done if d[0] >= seconds / 2]
+    lat = sorted(d[1] for d in half)
+    return len(half) * tokens / (seconds / 2), lat[len(lat) // 2]
+
+
+@pytest.mark.parametrize("slots", [12, 48])
+@pytest.mark.parametrize("with_gauges", [False, True])
+def test_auto_reaches_the_best_fixed_concurrency_on_a_simulated_server(slots, with_gauges):
+    fixed = {c: simulate(slots, lambda c=c: c) for c in (4, 8, 16, 32, 64, 128)}
+    best_c = max(fixed, key=lambda c: fixed[c][0])
+    best_rate, best_p50 = fixed[best_c]
+    ctl = ConcurrencyController(cfg(initial=4, min_samples=16), now=0.0)
+    rate, p50 = simulate(slots, lambda: ctl.limit, gauges_every=0.5 if with_gauges else None, ctl=ctl)
+    assert rate >= 0.95 * best_rate, (rate, best_rate, ctl.history)
+    assert p50 <= 1.5 * best_p50, (p50, best_p50, ctl.history)
+    assert slots <= ctl.limit <= 1.5 * slots + 2, ctl.history
