@@ -113,9 +113,16 @@ def add_profile_arguments(parser: argparse.ArgumentParser, run_required: bool = 
     )
 
 
+def add_responses_argument(parser: argparse.ArgumentParser, what: str) -> None:
+    """`--responses regenerated|original`: which answers of the run a stage uses (`RunDir.with_responses`)."""
+    parser.add_argument("--responses", choices=("regenerated", "original"), default="regenerated",
+                        help=f"{what}: the target's regenerated answers (shards/, default) or the source's own "
+                             "answers kept by regen select (shards-original/)")
+
+
 def load_profile_from_args(args):
-    """(Profile, RunDir) from parsed `--profile/--run/--set` arguments."""
+    """(Profile, RunDir) from parsed `--profile/--run/--set` arguments (and `--responses` where the stage has it)."""
     from regen.rundir import RunDir
 
     profile = load_profile(args.profile, args.overrides)
-    return profile, RunDir.at(args.run)
+    return profile, RunDir.at(args.run, getattr(args, "responses", None) or "regenerated")

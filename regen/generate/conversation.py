@@ -5,7 +5,8 @@ with recorded tool results. A *turn* (a `(prompt_id, turn)` unit, `turn` counted
 position where the original conversation has an assistant message, and after every user or tool message that
 is followed by a user message or ends the conversation (so MT-Bench `turns: [q1, q2]`, stored as two user
 messages, is answered turn by turn: q1, its answer, q2, its answer; parallel tool results are not split).
-`turn_positions(messages)` lists those positions; `generated + error rows + skipped == sum of len(positions)`.
+`turn_positions(messages)` (defined in `schemas.prompt`, where the prompt's `original_answers` use it too)
+lists those positions; `generated + error rows + skipped == sum of len(positions)`.
 
 History. Turn k is requested with the original messages before its position, every earlier assistant
 message replaced by its regeneration (a position with no recorded assistant message inserts the regeneration
@@ -25,28 +26,7 @@ import json
 
 from regen.generate.checks import tool_names
 from regen.config.generate import GenerateConfig
-from schemas.prompt import canonical_json
-
-
-def turn_positions(messages: list[dict]) -> list[int]:
-    """Indices in `messages` where an assistant turn is generated: each recorded assistant message's index, and
-    the index right after a user or tool message that a user message follows or that ends the conversation
-    (the regenerated turn is inserted there; len(messages) for a final user/tool turn).
-
-    >>> turn_positions([{"role": "user"}, {"role": "assistant"}, {"role": "user"}])
-    [1, 3]
-    >>> turn_positions([{"role": "user"}, {"role": "user"}])
-    [1, 2]
-    """
-    pos = []
-    for i, m in enumerate(messages):
-        role = m.get("role")
-        nxt = messages[i + 1].get("role") if i + 1 < len(messages) else None
-        if role == "assistant":
-            pos.append(i)
-        elif role in ("user", "tool") and nxt in (None, "user"):
-            pos.append(i + 1)
-    return pos
+from schemas.prompt import canonical_json, turn_positions  # noqa: F401 (turn_positions: re-exported)
 
 
 def _recorded(original: list[dict], pos: int) -> dict:

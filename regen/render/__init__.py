@@ -22,6 +22,8 @@ Modules, in reading order:
     rows.py          one generation row -> one training sample, or a reject with its reason
     shards.py        atomic shard files and their manifest
     stage.py         the stage: response filters, then rows -> shards, resumable
+    originals.py     `--responses original`: the prompts' own answers as generation rows (`originals/`), rendered
+                     by the stage into `shards-original/` (`RunDir.with_responses("original")`)
     export.py        `regen export`: shards or conversations to a path or fsspec URI
     show.py          `regen show-render`: one conversation from stdin, rendered and masked
 

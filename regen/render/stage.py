@@ -438,9 +438,10 @@ class _State:
 # -- CLI ------------------------------------------------------------------------------------------------------
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from regen.config import add_profile_arguments
+    from regen.config import add_profile_arguments, add_responses_argument
 
     add_profile_arguments(parser)
+    add_responses_argument(parser, "the answers to render (original: the prompts' original_answers -> originals/)")
     parser.add_argument("--filters-only", action="store_true", help="run the response filters only")
     parser.add_argument("--force", action="store_true", help="render again from scratch")
     parser.add_argument("--allow-incomplete", action="store_true",
@@ -453,6 +454,15 @@ def main(args) -> int:
 
     profile, run = load_profile_from_args(args)
     cfg = profile.render
+    if run.responses == "original":  # the original answers become generation rows first (regen.render.originals)
+        from regen.render.originals import write_original_generations
+
+        made = write_original_generations(run)
+        print(f"original answers: {made['num_prompts_with_original']} of {made['num_prompts']} prompts "
+              f"({made['num_rows']} turns); prompts without one, per source: {made['prompts_without_original']}")
+        if not made["num_rows"]:
+            raise InputError(f"none of the prompts of {run.prompts} has the source's own answer: select sources "
+                             "that ship answers (gsm8k, MATH, MBPP, GPTeacher, ShareGPT conversations, ...)")
     require_finished_generation(run, args.allow_incomplete)
     if args.filters_only:
         summary = filter_responses(cfg, run, progress=not args.no_progress)

@@ -6,8 +6,11 @@ Views (every one always exists: with no files it is empty, with the same columns
   generations  generations/ parts listed in its ledger (sha256-checked; `regen.generate.ledger.check_parts`):
                prompt_id, turn, status, error_class, finish_reason, tokens, latency_s (no token ids)
   superseded   generations/quarantine/*.parquet: rows taken out by `--retry-errors` or `--repair` (audit)
-  samples      shards/shard-*.parquet        sample_id, prompt_id, category, num_tokens, num_loss_tokens (no ids)
-  shards       shards/manifest.json          one row per shard: path, rows, tokens, loss_tokens, bytes, sha256
+  samples      shards/shard-*.parquet        responses, sample_id, prompt_id, category, num_tokens, num_loss_tokens
+               + shards-original/...         (no ids); `responses`: 'regenerated' (shards/) or 'original'
+                                             (shards-original/, `regen render --responses original`)
+  shards       shards/manifest.json          one row per shard: responses, path, rows, tokens, loss_tokens, bytes,
+               + shards-original/...         sha256
 
 A damaged generations part (missing, truncated, bytes changed) raises InputError naming the file.
 
@@ -38,22 +41,28 @@ VIEWS: dict[str, tuple[str, str]] = {
     "rejected": ("rejected/*/part-*.parquet", "SELECT * FROM read_parquet({files}, union_by_name=true)"),
     "generations": ("generations/part-*.parquet", _GEN_SELECT),
     "superseded": ("generations/quarantine/*.parquet", _GEN_SELECT),
+    # one SELECT per response set ({shards}: its shard folder), joined with UNION ALL BY NAME
     "samples": (
-        "shards/shard-*.parquet",
-        "SELECT * EXCLUDE (input_ids, loss_spans) FROM read_parquet({files}, union_by_name=true)",
+        "{shards}/shard-*.parquet",
+        "SELECT '{responses}' AS responses, * EXCLUDE (input_ids, loss_spans) FROM read_parquet({files}, "
+        "union_by_name=true)",
     ),
     "shards": (
-        "shards/manifest.json",
-        "SELECT unnest(shards, recursive := true) FROM read_json({files}, maximum_object_size=1000000000)",
+        "{shards}/manifest.json",
+        "SELECT '{responses}' AS responses, unnest(shards, recursive := true) FROM read_json({files}, "
+        "maximum_object_size=1000000000)",
     ),
 }
+# response set -> its shard folder (regen.rundir.RunDir.with_responses)
+SHARD_SETS = {"regenerated": "shards", "original": "shards-original"}
 SHARD_ENTRY_SCHEMA = pa.schema([("path", pa.string()), ("rows", pa.int64()), ("tokens", pa.int64()),
                                 ("loss_tokens", pa.int64()), ("bytes", pa.int64()), ("sha256", pa.string())])
 # view -> the columns it has when it has no files (the Arrow schema its files are written with, minus EXCLUDEs)
 EMPTY: dict[str, pa.Schema] = {
     "prompts": PROMPT_SCHEMA, "rejected": REJECTED_SCHEMA,
     "generations": GENERATION_SCHEMA, "superseded": GENERATION_SCHEMA,
-    "samples": SHARD_SCHEMA, "shards": SHARD_ENTRY_SCHEMA,
+    "samples": SHARD_SCHEMA.insert(0, pa.field("responses", pa.string())),
+    "shards": SHARD_ENTRY_SCHEMA.insert(0, pa.field("responses", pa.string())),
 }
 _EXCLUDED = {"prompt_token_ids", "completion_token_ids", "input_ids", "loss_spans"}
 
@@ -80,12 +89,14 @@ def view_statements(run_root: Path) -> list[str]:
     """
     statements = []
     for name, (pattern, select) in VIEWS.items():
-        files = _files(run_root, name, pattern)
-        if files:
-            literal = "[" + ", ".join("'" + f.replace("'", "''") + "'" for f in files) + "]"
-            body = select.format(files=literal)
-        else:
-            body = _empty_select(EMPTY[name])
+        sets = SHARD_SETS.items() if "{shards}" in pattern else [(None, None)]
+        bodies = []
+        for responses, folder in sets:
+            files = _files(run_root, name, pattern.format(shards=folder) if folder else pattern)
+            if files:
+                literal = "[" + ", ".join("'" + f.replace("'", "''") + "'" for f in files) + "]"
+                bodies.append(select.format(files=literal, responses=responses))
+        body = " UNION ALL BY NAME ".join(bodies) if bodies else _empty_select(EMPTY[name])
         statements.append(f"CREATE OR REPLACE VIEW {name} AS {body};")
     return statements
 

@@ -65,7 +65,8 @@ def mix_table(con) -> Table:
     return _table(con, (
         "WITH p AS (SELECT category, count(*) AS prompts, count(DISTINCT language) AS languages FROM prompts "
         "GROUP BY 1), s AS (SELECT category, count(*) AS samples, sum(num_loss_tokens) AS loss_tokens "
-        "FROM samples GROUP BY 1) SELECT p.category, p.prompts, round(100.0 * p.prompts / sum(p.prompts) OVER (), 1) "
+        "FROM samples WHERE responses = 'regenerated' GROUP BY 1) "  # the original set is not the run's output
+        "SELECT p.category, p.prompts, round(100.0 * p.prompts / sum(p.prompts) OVER (), 1) "
         "AS pct, p.languages, coalesce(s.samples, 0) AS samples, coalesce(s.loss_tokens, 0) AS loss_tokens "
         "FROM p LEFT JOIN s USING (category) ORDER BY p.prompts DESC"
     ))

@@ -10,6 +10,7 @@ Modules, in reading order:
     shapes.py    row shapes -> OpenAI-style `messages` + `tools`; tool results linked to their calls
     kimi_text.py Kimi-K2 markers written as text -> tool_calls / tool messages; declared or inferred tools
     tool_schemas.py  tool declarations (glaive, BFCL dialect, OpenAI) -> OpenAI `tools`
+    originals.py the source's own answers beside the prompt (`original_answers`), or why there are none
     errors.py    RowError: a malformed row (a `parse` reject with the field and the reason)
     classify.py  category and language: source labels, then config, then a classifier
     batches.py   the per-batch work (normalize, filter, sign for near dedup), in forked workers

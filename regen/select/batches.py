@@ -96,7 +96,7 @@ def process_batch(job) -> BatchResult:
                 prompt_id=d.prompt_id, messages=d.messages, tools=d.tools, category=d.category, language=d.language,
                 source=d.source, source_file=d.source_file, source_row=d.source_row,
                 num_turns=sum(1 for m in d.messages if m["role"] == "user"), num_prompt_tokens=d.num_prompt_tokens,
-                tools_inferred=d.tools_inferred,
+                tools_inferred=d.tools_inferred, original_answers=d.original_answers,
             ).to_arrow_row()
             for d in survivors
         ], schema=PROMPT_SCHEMA)

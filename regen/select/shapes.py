@@ -12,14 +12,14 @@ Recognized shapes (detected from a file's first row, or forced by `SourceConfig.
   turns         MT-Bench `turns`: a list of user turns (strings or `{content}` objects)
   bfcl          BFCL `question: [[{role, content}], ...]` + `function` (BFCL tool dialect) or
                 `involved_classes` (tools from `multi_turn_func_doc/<class>.json` beside the file)
-  instruction   Alpaca/GPTeacher `instruction` (+ `input`); the `response`/`output` is not kept
+  instruction   Alpaca/GPTeacher `instruction` (+ `input`); the `response`/`output` is the original answer
   prompt        one text field (`prompt`, `question`, `problem`, `problem_statement`, `text`, `input`, ...)
   tool_doc      BFCL tool-definition rows (`name`, `description`, `parameters`): not prompts; each row is
                 accounted for as a reject with filter `not_a_prompt`
 
 Conversation contract (what the generate stage receives): `messages` never ends with an assistant
-message: trailing assistant turns are the answers to regenerate and are dropped; earlier assistant turns
-are kept as context. The generate stage writes one assistant turn after every user or tool message that
+message: trailing assistant turns are the answers to regenerate and are dropped from `messages` (kept as the
+prompt's `original_answers`, `regen.select.originals`); earlier assistant turns are kept as context. The generate stage writes one assistant turn after every user or tool message that
 is not followed by an assistant message, in order, each from the history so far (so an MT-Bench record of
 two user messages and no assistant message means "answer the first, then the second").
 
@@ -33,6 +33,7 @@ import json
 from pathlib import Path
 
 from regen.select.errors import RowError
+from regen.select.originals import original_answers, source_answer
 from regen.select.kimi_text import declared_tools, inferred_tools, kimi_calls, kimi_returns, split_think
 from regen.select.tool_schemas import bfcl_class_tools, openai_tools
 
@@ -235,8 +236,10 @@ class _Conversation:
                                   "name": call["function"]["name"]})
 
 
-def conversation_messages(turns, field: str, role_key: str | None = None, content_key: str | None = None) -> list[dict]:
-    """ShareGPT/Kimi/OpenAI turns -> validated OpenAI messages (trailing assistant turns dropped).
+def conversation_messages(turns, field: str, role_key: str | None = None, content_key: str | None = None,
+                          answers: list | None = None) -> list[dict]:
+    """ShareGPT/Kimi/OpenAI turns -> validated OpenAI messages (trailing assistant turns dropped; appended to
+    `answers`, in order, when given: the source's own answers to the turn being regenerated).
 
     Tool calls: ShareGPT `function_call` turns (one call or a JSON list of parallel calls), OpenAI
     `tool_calls`, Kimi-K2 markers in assistant text (`regen.select.kimi_text`); each call gets an id unique
@@ -304,7 +307,7 @@ def conversation_messages(turns, field: str, role_key: str | None = None, conten
         else:
             conv.add(msg, where)
         i += 1
-    return finish_conversation(conv.messages, field)
+    return finish_conversation(conv.messages, field, answers)
 
 
 def _turn_role(t, where: str, role_key: str | None, content_key: str | None) -> tuple[str, object, str]:
@@ -339,7 +342,7 @@ def _openai_calls(calls, where: str) -> list[dict]:
     return out
 
 
-def openai_messages(raw, field: str) -> list[dict]:
+def openai_messages(raw, field: str, answers: list | None = None) -> list[dict]:
     """OpenAI `messages` (with LLaMA-Factory typed parts) -> validated messages; see conversation_messages."""
     if isinstance(raw, list):
         fixed = []
@@ -350,7 +353,7 @@ def openai_messages(raw, field: str) -> list[dict]:
                 m = _lf_message(m, f"{field}[{i}]")
             fixed.append(m)
         raw = fixed
-    return conversation_messages(raw, field, role_key="role", content_key="content")
+    return conversation_messages(raw, field, role_key="role", content_key="content", answers=answers)
 
 
 def _lf_message(m: dict, where: str) -> dict:
@@ -374,15 +377,20 @@ def _lf_message(m: dict, where: str) -> dict:
     return out
 
 
-def finish_conversation(messages: list[dict], field: str) -> list[dict]:
-    """Check conversation order and drop trailing assistant turns (the answers to regenerate)."""
+def finish_conversation(messages: list[dict], field: str, answers: list | None = None) -> list[dict]:
+    """Check conversation order and drop trailing assistant turns (the answers to regenerate; appended to
+    `answers` in conversation order when given)."""
     body = [m for m in messages if m["role"] != "system"]
     if not body:
         raise RowError(field, "conversation has no user message")
     if body[0]["role"] != "user":
         raise RowError(field, f"conversation starts with {body[0]['role']!r}, expected a user turn first")
-    while messages and messages[-1]["role"] == "assistant":
-        messages.pop()
+    cut = len(messages)
+    while cut and messages[cut - 1]["role"] == "assistant":
+        cut -= 1
+    if answers is not None:
+        answers.extend(messages[cut:])
+    del messages[cut:]
     return messages
 
 
@@ -435,8 +443,10 @@ def normalize_row(row, shape: str, fmap: dict[str, str], base_dir: Path | None =
                   infer_tools: bool = True):
     """One raw row of a known shape -> `(messages, tools, labels)`.
 
-    `labels` holds the row's own `category`/`language` labels (strings) where the source has them, and
-    `tools_inferred: True` when the tools were inferred from the calls (see `resolve_tools`).
+    `labels` holds the row's own `category`/`language` labels (strings) where the source has them,
+    `tools_inferred: True` when the tools were inferred from the calls (see `resolve_tools`), and
+    `original_answers` (a list of assistant messages, or None) with `original_missing` (why None: a reason
+    code) from `regen.select.originals.original_answers`: the source's own answers beside the prompt.
     Raises RowError for a malformed row (the field and the reason).
     """
     cache = {} if cache is None else cache
@@ -459,17 +469,20 @@ def normalize_row(row, shape: str, fmap: dict[str, str], base_dir: Path | None =
         labels["category"] = row["type"]
     tools_col = fmap.get("tools", "tools")
     tools = None
+    trailing: list[dict] | None = None  # conversation shapes: the dropped trailing assistant turns
     if shape == "conversations":
         col = fmap.get("conversations", "conversations")
         if col not in row:
             raise RowError(col, "missing field")
-        messages = conversation_messages(row[col], col, fmap.get("role"), fmap.get("content"))
+        trailing = []
+        messages = conversation_messages(row[col], col, fmap.get("role"), fmap.get("content"), trailing)
         tools = openai_tools(row.get(tools_col), tools_col)
     elif shape == "messages":
         col = fmap.get("messages", "messages")
         if col not in row:
             raise RowError(col, "missing field")
-        messages = openai_messages(row[col], col)
+        trailing = []
+        messages = openai_messages(row[col], col, trailing)
         tools = openai_tools(row.get(tools_col), tools_col)
     elif shape == "turns":
         col = fmap.get("turns", "turns")
@@ -503,6 +516,8 @@ def normalize_row(row, shape: str, fmap: dict[str, str], base_dir: Path | None =
     tools, inferred = resolve_tools(messages, tools, infer_tools)
     if inferred:
         labels["tools_inferred"] = True
+    answers = source_answer(row, shape, fmap) if trailing is None else trailing
+    labels["original_answers"], labels["original_missing"] = original_answers(messages, answers)
     return messages, tools, labels
 
 

@@ -75,6 +75,8 @@ class Draft:
     prompt_id: str | None = None
     text: str = ""  # user + system text (content parts' text included), for filters and classifiers
     tools_inferred: bool = False  # tools inferred from the calls (no declaration in the row)
+    original_answers: list[dict] | None = None  # the source's own answers (regen.select.originals)
+    original_missing: str | None = None  # why original_answers is None (a reason code)
     error: str | None = None  # "field: reason" when the row is malformed
     filter: str = "parse"  # the reject's filter name when `error` is set
     extra: dict = field(default_factory=dict)
@@ -348,6 +350,11 @@ def make_drafts(src: SourceConfig, cfg: SelectConfig, source_file: str, start: i
                 continue
             messages, tools, labels = normalize_row(row, shape, fmap, base_dir, cache, cfg.infer_tool_schemas)
             _check_encodable(messages, tools)
+            if labels.get("original_answers") is not None:
+                try:
+                    _check_encodable(labels["original_answers"], None)
+                except RowError:
+                    labels["original_answers"], labels["original_missing"] = None, "answer_not_encodable"
         except RowError as exc:
             d.error = f"{exc.field}: {exc.reason}"
             drafts.append(d)
@@ -358,6 +365,7 @@ def make_drafts(src: SourceConfig, cfg: SelectConfig, source_file: str, start: i
             continue
         d.messages, d.tools = messages, tools
         d.tools_inferred = bool(labels.get("tools_inferred"))
+        d.original_answers, d.original_missing = labels.get("original_answers"), labels.get("original_missing")
         d.text = message_text(messages)
         user_text = message_text(messages, roles=("user",))
         lang = normalize_language(labels.get("language")) or fixed_lang or identify_language(user_text)

@@ -281,7 +281,8 @@ def run_select(cfg: SelectConfig, run: RunDir, *, seed: int, extra_sources: list
     stats = [(path, _size(path), Path(path).stat().st_mtime_ns) for _, path, _ in files]
     chash = config_hash(cfg, seed, extra, stats)
     old = run.manifest(run.prompts)
-    if old and old.get("config_hash") == chash and old.get("seed") == seed and all(
+    if old and old.get("config_hash") == chash and old.get("seed") == seed \
+            and old.get("schema_version") == SCHEMA_VERSION and all(
         (run.prompts / p["path"]).exists() for p in old.get("parts", [])
     ):
         return old
@@ -484,6 +485,17 @@ class _Row:
         self.extra = {"norm": norm} if norm is not None else {}
 
 
+def originals_counts(selected) -> dict:
+    """Selected prompts with and without the source's own answers (`original_answers`), in all and per source:
+    {num_with, num_without, by_source: {source: {with, without}}}."""
+    has = pc.invert(pc.is_null(selected.column("original_answers"))).to_pylist() if selected.num_rows else []
+    by_source: dict[str, dict] = {}
+    for src, h in zip(selected.column("source").to_pylist() if selected.num_rows else [], has):
+        entry = by_source.setdefault(src, {"with": 0, "without": 0})
+        entry["with" if h else "without"] += 1
+    return {"num_with": sum(has), "num_without": len(has) - sum(has), "by_source": dict(sorted(by_source.items()))}
+
+
 def _manifest(cfg, seed, extra, chash, selected, report, drops, acct, parts, rej_parts, pool_rows) -> dict:
     def counts(col):
         return dict(sorted(Counter(selected.column(col).to_pylist()).items())) if selected.num_rows else {}
@@ -511,6 +523,7 @@ def _manifest(cfg, seed, extra, chash, selected, report, drops, acct, parts, rej
         "total_shortfall": report["total_shortfall"],
         "capped": report["capped"],
         "filters": {name: int(drops.get(name, 0)) for name in ["parse", "not_a_prompt", *cfg.filters]},
+        "originals": originals_counts(selected),
         "accounting": {"files": acct, "totals": totals, "closed": True},
     }
 

@@ -370,7 +370,8 @@ def run_eval(cfg, run, *, draft_dir, seed: int | None = None, num_prompts: int =
              confidence_threshold: float = 0.0, progress: bool = True, compare: dict | None = None,
              out_path: str | Path | None = None, temperature: float = 0.0, top_p: float = 1.0) -> dict:
     """Measure the trained draft in `draft_dir` and an untrained draft of the same config (seeded) on the run's
-    held-out prompts; write `out_path` (default `<run>/eval.json`) atomically and return it.
+    held-out prompts; write `out_path` (default `run.eval_json`: `<run>/eval.json`, or `eval-original.json` for
+    `run.with_responses("original")`) atomically and return it.
 
     The top-level figures are greedy (T = 0, unchanged); with temperature > 0 the same drafts are also measured
     under rejection sampling at (temperature, top_p), under `"sampled"`: {protocol, <draft name>: {acc_len,
@@ -470,14 +471,18 @@ def run_eval(cfg, run, *, draft_dir, seed: int | None = None, num_prompts: int =
            "confidence_threshold": confidence_threshold,
            "protocol": GREEDY_PROTOCOL, **({"sampled": sampled} if sampled else {}),
            "elapsed_s": round(time.perf_counter() - t0, 2)}
-    write_json_atomic(out, Path(out_path) if out_path else run.root / "eval.json")
+    write_json_atomic(out, Path(out_path) if out_path else run.eval_json)
     return out
 
 
 def add_arguments(parser) -> None:
     from regen.config import add_profile_arguments
 
+    from regen.config import add_responses_argument
+
     add_profile_arguments(parser)
+    add_responses_argument(parser, "the shard set whose held-out prompts are measured (-> eval.json or "
+                                   "eval-original.json)")
     parser.add_argument("--draft", required=True, help="checkpoint folder, or a folder with latest.json")
     parser.add_argument("--num-prompts", type=int, default=32, help="held-out prompts to evaluate (default 32)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="generated tokens per prompt (default 64)")
@@ -522,7 +527,7 @@ def main(args) -> int:
         for k in out["drafts"]:
             brief[k][f"acc_len_T{args.temperature:g}"] = out["sampled"][k]["acc_len"]
     print(json.dumps({**brief, "num_prompts": out["num_prompts"], "seed": out["seed"],
-                      "eval_json": str(run.root / "eval.json")}, indent=2))
+                      "eval_json": str(run.eval_json)}, indent=2))
     print(format_table(out))
     return 0
 

@@ -38,7 +38,10 @@ log = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from regen.config import add_responses_argument
+
     add_profile_arguments(parser)
+    add_responses_argument(parser, "the shards to train on (original: into <run>/train-original by default)")
     parser.add_argument("--follow", action="store_true",
                         help="train while `regen render` writes shards; end when its manifest is marked complete")
     parser.add_argument("--max-steps", type=int, default=None, help="optimizer steps (overrides train.max_steps)")
