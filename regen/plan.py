@@ -8,15 +8,16 @@
    renderer that does not load is an InputError.
 2. Runs the selection (`regen select`, resumed when done) and counts every prompt's (prompt, turn) units
    (`regen.generate.conversation.turn_positions`).
-3. Renders the prompt side of every unit (up to `--sample` prompts, seeded) with the profile's renderer
-   (`regen.render.stage.make_renderer`): the tokens before the generated turn, recorded assistant messages of
-   the pool standing in for the regenerated history.
+3. Renders every unit's row prompt side (up to `--sample` prompts, seeded) with the profile's renderer as the
+   render stage builds the row (`regen.render.stage.sample_prompt_side`), less the recorded history it carries;
+   a unit's expected prompt side adds the supervised tokens of its earlier turns (the regenerated history).
 4. Without `--pilot`: no request is sent; output tokens, retries, the kept share and shard bytes per token come
-   from the profile's `plan:` section, labelled `assumed`. With `--pilot N`: about N units of the selection
-   (whole prompts, seeded) are generated, filtered and rendered for real in `<run>/plan/pilot/` through the
-   stages' own entries; their requests per unit, output tokens per unit, kept rows per unit, supervised tokens
-   per row, shard bytes per token and the measured/rendered prompt-side ratio replace the assumptions
-   (labelled `pilot`).
+   from the profile's `plan:` section, labelled `assumed`, and every turn is assumed requested. With `--pilot N`:
+   about N units (whole prompts, seeded; one prompt of every turn kind first) are generated, filtered and
+   rendered for real in `<run>/plan/pilot/` through the stages' own entries; per stratum (category, first/later
+   turn) their requests, output tokens and kept rows per requested unit, supervised tokens per row, the
+   real/estimated prompt-side ratio, per turn kind (`turn_kind`) the rate at which a conversation goes on after
+   a turn (P(reached) of later turns), and shard bytes per token replace the assumptions (labelled `pilot`).
 5. Prints a table and writes `<run>/plan.json`. When the pool holds fewer prompts than `select.total`, every
    count is scaled by `select.total / selected` (labelled in the output).
 
@@ -54,7 +55,7 @@ from regen.config import Profile, resolve_path
 from regen.errors import InputError
 from regen.preflight import PreflightError, check_profile, effective_render_config
 from regen.rundir import RunDir
-from schemas.io import read_json, write_json_atomic
+from schemas.io import write_json_atomic
 
 GiB = 1024 ** 3
 
@@ -64,56 +65,98 @@ def _rank(seed: int, pid: str) -> str:
 
 
 def selected_prompts(run: RunDir) -> list[dict]:
-    """The selection's prompts (dicts from `regen.generate.runner.iter_prompts`), each with its `positions`."""
-    from regen.generate.conversation import turn_positions
+    """The selection's prompts (dicts from `regen.generate.runner.iter_prompts`), each with its `positions` and its
+    parsed `tool_list` (None without tools)."""
+    from regen.generate.conversation import tools_from_json, turn_positions
     from regen.generate.runner import iter_prompts
     from regen.generate.stage import prompt_files
 
     out = []
     for p in iter_prompts(prompt_files(run)):
         p["positions"] = turn_positions(p["messages"])
+        p["tool_list"] = tools_from_json(p.get("tools")) or None
         out.append(p)
     return out
 
 
-def prompt_side_tokens(renderer, render_cfg, messages: list[dict], tools, pos: int) -> int:
-    """Tokens before the generated turn at `pos`: render `messages[:pos]` plus an empty assistant message with
-    the profile's template kwargs and take the start of its span. Raises ValueError when it does not render."""
-    kwargs = dict(render_cfg.template_kwargs, add_generation_prompt=False)
-    if renderer.name == "hf":
-        kwargs.update(last_only=True, with_text=False)
-    rendered = renderer.render(list(messages[:pos]) + [{"role": "assistant", "content": ""}], tools, **kwargs)
-    return rendered.assistant_spans[-1][0]
+def history_messages(p: dict, turn: int) -> list[dict]:
+    """The messages before `turn` as its request carries them (`regen.generate.conversation`): the original ones
+    before its position, an empty assistant message standing in where an earlier turn has no recorded assistant
+    message (the regenerated turn is inserted there)."""
+    msgs, positions = p["messages"], p["positions"]
+    inserted = {q for q in positions[:turn] if msgs[q].get("role") != "assistant"}
+    out: list[dict] = []
+    for j, m in enumerate(msgs[:positions[turn]]):
+        if j in inserted:
+            out.append({"role": "assistant", "content": ""})
+        out.append(m)
+    return out
 
 
 def render_units(renderer, render_cfg, prompts: list[dict]) -> dict:
-    """{(prompt_id, turn): prompt-side tokens} for every unit of `prompts`; `errors`: units that did not render."""
-    tokens, errors = {}, 0
+    """`fixed`: {(prompt_id, turn): the unit's shard-row prompt side less the history it carries}, counted as the
+    render stage builds a row (`regen.render.stage.sample_prompt_side`); `errors`: units that did not render.
+    A unit's expected prompt side is fixed + the supervised tokens of its earlier (regenerated) turns: the target's
+    history holds its own earlier answers, reasoning included for Kimi-K3 (kimi-k3-format.md section 2)."""
+    from regen.render.stage import sample_prompt_side
+
+    fixed, errors = {}, 0
     for p in prompts:
-        tools = json.loads(p["tools"]) if p.get("tools") else None
-        for turn, pos in enumerate(p["positions"]):
+        for turn in range(len(p["positions"])):
             try:
-                tokens[(p["prompt_id"], turn)] = prompt_side_tokens(renderer, render_cfg, p["messages"], tools, pos)
+                side, history = sample_prompt_side(renderer, history_messages(p, turn), p["tool_list"],
+                                                   render_cfg.template_kwargs)
             except ValueError:
                 errors += 1
-    return {"tokens": tokens, "errors": errors}
+                continue
+            fixed[(p["prompt_id"], turn)] = side - history
+    return {"fixed": fixed, "errors": errors}
+
+
+def stratum(category: str, turn: int) -> str:
+    """Rates are measured and applied per category and turn kind: a conversation's first turn, or a later one
+    (later turns carry the regenerated history)."""
+    return f"{category}/{'first' if turn == 0 else 'later'}"
+
+
+def turn_kind(p: dict, turn: int) -> str:
+    """What decides whether a conversation goes on after `turn`: the regenerated turn's tool calls must match the
+    recorded ones (`regen.generate.conversation.next_segment`), so: tools offered or not, the role the turn
+    answers, and whether the recorded turn called tools (an inserted turn records none)."""
+    msgs, pos = p["messages"], p["positions"][turn]
+    recorded = msgs[pos] if pos < len(msgs) and msgs[pos].get("role") == "assistant" else {}
+    return (f"{'tools' if p['tool_list'] else 'no tools'}, after {msgs[pos - 1].get('role')}: "
+            f"{'call' if recorded.get('tool_calls') else 'answer'}")
+
+
+def reach(p: dict, go_on: dict[str, float]) -> list[float]:
+    """P(turn t is requested) for each turn of `p`: the product of the continuation rates of the turns before it."""
+    out = [1.0]
+    for turn in range(len(p["positions"]) - 1):
+        out.append(out[-1] * go_on[turn_kind(p, turn)])
+    return out[:len(p["positions"])]
 
 
 # ---------------------------------------------------------------------------------------------- the pilot
 
 
-def stratum(category: str, turn: int) -> str:
-    """Rates are measured and applied per category and turn kind: a conversation's first turn, or a later one
-    (later turns carry the history and are the ones skipped when a regenerated tool call stops a conversation)."""
-    return f"{category}/{'first' if turn == 0 else 'later'}"
-
-
 def pilot_prompts(prompts: list[dict], num_units: int, seed: int) -> list[dict]:
-    """Whole prompts, round-robin over categories (each in seeded order), until they hold >= num_units units."""
+    """Whole prompts, in seeded order: first one holding each turn kind (`turn_kind`) that has a next turn in the
+    selection, so every continuation rate the plan applies is measured (this may exceed num_units); then
+    round-robin over categories until they hold >= num_units units."""
+    ordered = sorted(prompts, key=lambda p: _rank(seed, p["prompt_id"]))
+    chosen, seen, covered = [], set(), set()
+    for p in ordered:
+        kinds = {turn_kind(p, t) for t in range(len(p["positions"]) - 1)}
+        if kinds - covered:
+            chosen.append(p)
+            seen.add(p["prompt_id"])
+            covered |= kinds
     by_cat: dict[str, list[dict]] = {}
-    for p in sorted(prompts, key=lambda p: _rank(seed, p["prompt_id"])):
-        by_cat.setdefault(p["category"], []).append(p)
-    chosen, units, i = [], 0, 0
+    for p in ordered:
+        if p["prompt_id"] not in seen:
+            by_cat.setdefault(p["category"], []).append(p)
+    units, i = sum(len(p["positions"]) for p in chosen), 0
     while units < num_units and any(i < len(v) for v in by_cat.values()):
         for cat in sorted(by_cat):
             if i < len(by_cat[cat]) and units < num_units:
@@ -137,10 +180,11 @@ def shard_bytes_model(rows: list[dict], tmp: Path) -> tuple[float, float]:
     return float(empty["bytes"]), (full["bytes"] - empty["bytes"]) / max(1, tokens)
 
 
-def run_pilot(profile: Profile, run: RunDir, chosen: list[dict], log=print) -> dict:
+def run_pilot(profile: Profile, run: RunDir, chosen: list[dict], log=print) -> tuple[dict, list[dict], list[dict]]:
     """Generate, filter and render the `chosen` prompts for real in `<run>/plan/pilot/` through the stages'
-    entries (`regen.pipeline.step_*`); returns per-category measurements (units, attempts, output tokens of ok
-    rows, shard rows with their prompt-side and supervised tokens) and the shard file-size model."""
+    entries (`regen.pipeline.step_*`). Returns (summary with the shard file-size model, generation rows
+    {prompt_id, category, turn, status, attempts, num_completion_tokens}, shard rows {prompt_id, category, turn,
+    prompt_side, supervised})."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -161,30 +205,68 @@ def run_pilot(profile: Profile, run: RunDir, chosen: list[dict], log=print) -> d
     pipeline.step_filter(render, pilot, progress=False)
     shards = pipeline.step_render(render, pilot, progress=False)
     gen_rows = pq.read_table(sorted(pilot.generations.glob("part-*.parquet")),
-                             columns=["category", "turn", "status", "attempts", "num_completion_tokens"]).to_pylist()
+                             columns=["prompt_id", "category", "turn", "status", "attempts",
+                                      "num_completion_tokens"]).to_pylist()
     files = [pilot.shards / s["path"] for s in shards.get("shards", [])]
-    shard_rows = pq.read_table(files).to_pylist() if files else []
-    cats: dict[str, dict] = {}
-    for r in gen_rows:
-        c = cats.setdefault(stratum(r["category"], r["turn"]), dict(units=0, attempts=0, ok=0, output_tokens=0, rows=0, prompt_side=0,
-                                                supervised=0))
-        c["units"] += 1
-        c["attempts"] += r["attempts"] or 0
-        if r["status"] == "ok" and r["num_completion_tokens"] is not None:
-            c["ok"] += 1
-            c["output_tokens"] += r["num_completion_tokens"]
-    for r in shard_rows:
-        c = cats[stratum(r["category"], r["turn"])]
-        c["rows"] += 1
-        c["prompt_side"] += r["num_tokens"] - r["num_loss_tokens"]
-        c["supervised"] += r["num_loss_tokens"]
-    empty, marginal = shard_bytes_model(shard_rows, pilot.root / "bytes-model") if shard_rows else (0.0, 0.0)
+    full_rows = pq.read_table(files).to_pylist() if files else []
+    shard_rows = [{"prompt_id": r["prompt_id"], "category": r["category"], "turn": r["turn"],
+                   "prompt_side": r["num_tokens"] - r["num_loss_tokens"], "supervised": r["num_loss_tokens"]}
+                  for r in full_rows]
+    empty, marginal = shard_bytes_model(full_rows, pilot.root / "bytes-model") if full_rows else (0.0, 0.0)
     acc = gen["accounting"]
-    return {"dir": str(pilot.root), "prompts": acc["prompts"], "units": acc["units"],
-            "attempts": sum(c["attempts"] for c in cats.values()), "rows": len(shard_rows),
-            "wall_s": round(time.time() - t0, 1), "by_category": cats,
-            "shard_file_bytes": empty, "shard_bytes_per_token": marginal,
-            "shard_bytes": sum(s["bytes"] for s in shards.get("shards", []))}
+    summary = {"dir": str(pilot.root), "prompts": acc["prompts"], "units": acc["units"],
+               "attempts": sum(r["attempts"] or 0 for r in gen_rows), "rows": len(shard_rows),
+               "wall_s": round(time.time() - t0, 1), "shard_file_bytes": empty, "shard_bytes_per_token": marginal,
+               "shard_bytes": sum(s["bytes"] for s in shards.get("shards", []))}
+    return summary, gen_rows, shard_rows
+
+
+def continuation_rates(prompts: dict[str, dict], gen_rows: list[dict]) -> dict[str, dict]:
+    """{turn kind: {turns, went_on}} over the pilot's requested turns that have a next turn: went_on counts those
+    whose next turn was requested too (not `skipped` after a mismatched tool call or an error row)."""
+    status = {(r["prompt_id"], r["turn"]): r["status"] for r in gen_rows}
+    out: dict[str, dict] = {}
+    for pid, p in prompts.items():
+        for turn in range(len(p["positions"]) - 1):
+            if status.get((pid, turn), "skipped") == "skipped":
+                continue
+            c = out.setdefault(turn_kind(p, turn), {"turns": 0, "went_on": 0})
+            c["turns"] += 1
+            c["went_on"] += status.get((pid, turn + 1)) != "skipped"
+    return out
+
+
+def pilot_rates(measured: dict, gen_rows: list[dict], shard_rows: list[dict], fixed: dict) -> dict[str, dict]:
+    """Per stratum: requests, output tokens and kept rows per requested unit, supervised tokens per row (also
+    each earlier turn's share of a later turn's history), and prompt_ratio = the rows' real prompt side / their
+    estimate (fixed + the earlier turns' supervised tokens per row). `pooled` holds the pilot's overall rates."""
+    m: dict[str, dict] = {}
+    zero = dict(requested=0, attempts=0, output_tokens=0, rows=0, prompt_side=0, supervised=0, estimate=0)
+    for r in gen_rows:
+        if r["status"] != "skipped":
+            c = m.setdefault(stratum(r["category"], r["turn"]), dict(zero))
+            c["requested"] += 1
+            c["attempts"] += r["attempts"] or 0
+            c["output_tokens"] += (r["num_completion_tokens"] or 0) if r["status"] == "ok" else 0
+    for r in shard_rows:
+        c = m.setdefault(stratum(r["category"], r["turn"]), dict(zero))
+        c["rows"] += 1
+        c["prompt_side"] += r["prompt_side"]
+        c["supervised"] += r["supervised"]
+    m["pooled"] = {k: sum(c[k] for c in m.values()) for k in zero}
+    per_row = {k: c["supervised"] / c["rows"] for k, c in m.items() if c["rows"]}
+    for r in shard_rows:
+        if (r["prompt_id"], r["turn"]) in fixed:
+            est = fixed[(r["prompt_id"], r["turn"])] + sum(
+                per_row.get(stratum(r["category"], i), per_row.get("pooled", 0)) for i in range(r["turn"]))
+            m[stratum(r["category"], r["turn"])]["estimate"] += est
+            m["pooled"]["estimate"] += est
+    measured["by_stratum"] = m
+    return {k: dict(requests=c["attempts"] / max(1, c["requested"]), output=c["output_tokens"] / max(1, c["requested"]),
+                    keep=c["rows"] / max(1, c["requested"]),
+                    supervised_per_row=per_row.get(k, per_row.get("pooled", 0.0)),
+                    prompt_ratio=c["prompt_side"] / c["estimate"] if c["estimate"] else 1.0)
+            for k, c in m.items() if c["requested"]}
 
 
 # ---------------------------------------------------------------------------------------------- the draft
@@ -274,6 +356,11 @@ def assumptions(profile: Profile, flags: dict) -> dict:
     return a
 
 
+def out_tokens(a: dict, category: str) -> float:
+    """The assumed output tokens per unit of `category` (`plan.output_tokens`, else its `default`)."""
+    return a["output_tokens"].get(category, a["output_tokens"].get("default", 0))
+
+
 def build_plan(profile: Profile, run: RunDir, *, pilot: int = 0, sample: int = 2000, flags: dict | None = None,
                log=print) -> dict:
     """The plan of `profile` on `run` (see the module doc); writes `<run>/plan.json` and returns it.
@@ -300,79 +387,79 @@ def build_plan(profile: Profile, run: RunDir, *, pilot: int = 0, sample: int = 2
     renderer = make_renderer(render_cfg)
     sampled = sorted(prompts, key=lambda p: _rank(profile.seed, p["prompt_id"]))[:sample]
     rendered = render_units(renderer, render_cfg, sampled)
-    side = rendered["tokens"]
-    values = list(side.values())
+    fixed = rendered["fixed"]
     scale = max(1.0, profile.select.total / len(prompts))
     cats: dict = {}
-    strata: dict[str, int] = {}
-    cat_of = {p["prompt_id"]: p["category"] for p in prompts}
     for p in prompts:
         c = cats.setdefault(p["category"], {"prompts": 0, "units": 0})
         c["prompts"] += 1
         c["units"] += len(p["positions"])
-        for turn in range(len(p["positions"])):
-            strata[stratum(p["category"], turn)] = strata.get(stratum(p["category"], turn), 0) + 1
-    units_sel = sum(c["units"] for c in cats.values())
-    units = units_sel * scale
+    units = sum(c["units"] for c in cats.values()) * scale
 
-    def out_tokens(cat: str) -> float:
-        return a["output_tokens"].get(cat, a["output_tokens"].get("default", 0))
-
-    side_by_cat: dict[str, list[int]] = {}
-    for (pid, turn), v in side.items():
-        side_by_cat.setdefault(stratum(cat_of[pid], turn), []).append(v)
-    all_side = float(np.mean(values)) if values else 0.0
-    side_mean = {k: float(np.mean(side_by_cat[k])) if k in side_by_cat else all_side for k in strata}
-
-    src = "assumed (profile plan:)"
-    measured = None
-    overlong = 0.0
+    measured, go_on_counts = None, {}
     if pilot:
         chosen = pilot_prompts(prompts, pilot, profile.seed)
-        measured = run_pilot(profile, run, chosen, log=log)
+        measured, gen_rows, shard_rows = run_pilot(profile, run, chosen, log=log)
         src = f"pilot ({measured['units']} units sent for real)"
-        est = render_units(renderer, render_cfg, chosen)["tokens"]
-        est_by_cat: dict[str, int] = {}
-        for (pid, turn), v in est.items():
-            key = stratum(cat_of[pid], turn)
-            est_by_cat[key] = est_by_cat.get(key, 0) + v
-        pooled = {k: sum(c[k] for c in measured["by_category"].values())
-                  for k in ("units", "attempts", "ok", "output_tokens", "rows", "prompt_side", "supervised")}
-        pooled_est = sum(est_by_cat.values())
-        rates = {}
-        for k in strata:  # a stratum the pilot did not reach takes the pilot's pooled rates
-            m = measured["by_category"].get(k) or pooled
-            e = est_by_cat.get(k) if k in measured["by_category"] else pooled_est
-            rates[k] = dict(requests=m["attempts"] / max(1, m["units"]), output=m["output_tokens"] / max(1, m["ok"]),
-                            keep=m["rows"] / max(1, m["units"]), supervised=m["supervised"] / max(1, m["units"]),
-                            prompt_ratio=m["prompt_side"] / max(1, e or 0), prompt_per_row=m["prompt_side"] / max(1, m["rows"]))
+        rates = pilot_rates(measured, gen_rows, shard_rows, render_units(renderer, render_cfg, chosen)["fixed"])
+        go_on_counts = continuation_rates({p["prompt_id"]: p for p in chosen}, gen_rows)
         bpt, file_bytes = measured["shard_bytes_per_token"], measured["shard_file_bytes"]
     else:
-        rates = {}
-        for k in strata:
-            out = out_tokens(k.split("/")[0])
-            drop = 0.0
-            if profile.render.overlong == "drop" and side_by_cat.get(k):
-                drop = sum(v + out > profile.render.max_tokens for v in side_by_cat[k]) / len(side_by_cat[k])
-            keep = a["keep_fraction"] * (1 - drop)
-            rates[k] = dict(requests=a["requests_per_unit"], output=out, keep=keep, supervised=keep * out,
-                            prompt_ratio=keep)
-        overlong = 1 - sum(strata[k] * rates[k]["keep"] for k in strata) / units_sel / a["keep_fraction"]
+        src = "assumed (profile plan:)"
+        rates = {stratum(c, t): dict(requests=a["requests_per_unit"], output=out_tokens(a, c), keep=a["keep_fraction"],
+                                     supervised_per_row=out_tokens(a, c), prompt_ratio=1.0)
+                 for c in cats for t in (0, 1)}
         bpt, file_bytes = a["shard_bytes_per_token"], 0.0
-    u = {k: n * scale for k, n in strata.items()}
-    output_total = sum(u[k] * rates[k]["output"] for k in strata)
-    out_per_unit = output_total / units
-    requests = sum(u[k] * rates[k]["requests"] for k in strata)
-    rows = sum(u[k] * rates[k]["keep"] for k in strata)
-    supervised = sum(u[k] * rates[k]["supervised"] for k in strata)
-    if pilot:  # the pilot's prompt side per kept row (its history is the regenerated one)
-        shard_prompt = sum(u[k] * rates[k]["keep"] * rates[k]["prompt_per_row"] for k in strata)
-    else:
-        shard_prompt = sum(u[k] * side_mean[k] * rates[k]["prompt_ratio"] for k in strata)
-    per_cat = {c: {n: sum(u[k] * rates[k][n] for k in strata if k.startswith(c + "/")) / (cats[c]["units"] * scale)
-                   for n in ("output", "requests", "keep")} for c in cats}
+    pooled = rates.get("pooled") or next(iter(rates.values()))
+    turns_with_next = sum(c["turns"] for c in go_on_counts.values())
+    go_on_pooled = sum(c["went_on"] for c in go_on_counts.values()) / turns_with_next if turns_with_next else 1.0
+    go_on: dict[str, float] = {}
+    for p in prompts:
+        for turn in range(len(p["positions"]) - 1):
+            c = go_on_counts.get(turn_kind(p, turn))
+            go_on[turn_kind(p, turn)] = c["went_on"] / c["turns"] if c else go_on_pooled
+
+    # Per stratum: requested units (units x P(reached)) over the selection; the expected prompt side per requested
+    # unit over the rendered sample: (fixed + earlier turns' supervised tokens) x the pilot's ratio.
+    def rate(k: str) -> dict:  # a stratum the pilot did not reach takes the pilot's pooled rates
+        return rates.get(k) or pooled
+
+    strata: dict[str, dict] = {}
+    estimates: list[float] = []
+    for p in prompts:
+        probs = reach(p, go_on)
+        cat = p["category"]
+        for turn, prob in enumerate(probs):
+            s = strata.setdefault(stratum(cat, turn), dict(units=0, requested=0.0, weight=0.0, side=0.0, overlong=0.0))
+            s["units"] += 1
+            s["requested"] += prob
+            if (p["prompt_id"], turn) not in fixed:
+                continue
+            est = (fixed[(p["prompt_id"], turn)] + sum(rate(stratum(cat, i))["supervised_per_row"] for i in range(turn)))
+            est *= rate(stratum(cat, turn))["prompt_ratio"]
+            estimates.append(est)
+            s["weight"] += prob
+            s["side"] += prob * est
+            if not pilot and profile.render.overlong == "drop" and est + out_tokens(a, cat) > profile.render.max_tokens:
+                s["overlong"] += prob
+    all_side = sum(s["side"] for s in strata.values()) / max(1e-9, sum(s["weight"] for s in strata.values()))
+    for k, s in strata.items():
+        r = s["rate"] = dict(rate(k))
+        s["side_mean"] = s["side"] / s["weight"] if s["weight"] else all_side
+        if not pilot:  # rows whose prompt side + the assumed answer exceed render.max_tokens are dropped
+            r["keep"] *= 1 - (s["overlong"] / s["weight"] if s["weight"] else 0.0)
+        s["requested"] *= scale
+    requested = sum(s["requested"] for s in strata.values())
+    output_total = sum(s["requested"] * s["rate"]["output"] for s in strata.values())
+    requests = sum(s["requested"] * s["rate"]["requests"] for s in strata.values())
+    rows = sum(s["requested"] * s["rate"]["keep"] for s in strata.values())
+    supervised = sum(s["requested"] * s["rate"]["keep"] * s["rate"]["supervised_per_row"] for s in strata.values())
+    shard_prompt = sum(s["requested"] * s["rate"]["keep"] * s["side_mean"] for s in strata.values())
+    prompt_total = sum(s["requested"] * s["side_mean"] for s in strata.values())
+    dropped = 1 - rows / (requested * a["keep_fraction"]) if not pilot and requested else 0.0
+    per_cat = {c: {n: sum(s["requested"] * s["rate"][n] for k, s in strata.items() if k.startswith(c + "/"))
+                   / (cats[c]["units"] * scale) for n in ("output", "requests", "keep")} for c in cats}
     shard_tokens = shard_prompt + supervised
-    prompt_mean = all_side
     t = profile.render
     num_files = max(1, int(np.ceil(max(shard_tokens / t.shard_max_tokens, rows / t.shard_max_rows))))
     shard_bytes = num_files * file_bytes + shard_tokens * bpt
@@ -386,30 +473,35 @@ def build_plan(profile: Profile, run: RunDir, *, pilot: int = 0, sample: int = 2
                            "output_tokens_per_unit": round(per_cat[k]["output"], 1),
                            "requests_per_unit": round(per_cat[k]["requests"], 4), "keep": round(per_cat[k]["keep"], 4)}
                        for k, c in sorted(cats.items())},
-        "prompts": round(len(prompts) * scale), "units": round(units),
-        "prompt_tokens": {"rendered_units": len(values), "render_errors": rendered["errors"],
-                          "p50": _pct(values, 50), "p90": _pct(values, 90), "max": max(values, default=0),
-                          "mean": round(prompt_mean, 1), "total": round(units * prompt_mean),
-                          "renderer": renderer.name,
-                          "tokenizer": renderer.tokenizer_name},
-        "output_tokens": {"per_unit": round(out_per_unit, 1), "total": round(output_total), "source": src},
+        "prompts": round(len(prompts) * scale), "units": round(units), "requested_units": round(requested),
+        "continuation": {"source": "pilot" if pilot else "assumed: every turn's tool calls match the recorded ones",
+                         "pooled": round(go_on_pooled, 4),
+                         "kinds": {k: {**go_on_counts.get(k, {}), "rate": round(v, 4)} for k, v in sorted(go_on.items())}},
+        "prompt_tokens": {"rendered_units": len(estimates), "render_errors": rendered["errors"],
+                          "p50": _pct(estimates, 50), "p90": _pct(estimates, 90), "max": round(max(estimates, default=0)),
+                          "mean": round(prompt_total / max(1e-9, requested), 1), "total": round(prompt_total),
+                          "renderer": renderer.name, "tokenizer": renderer.tokenizer_name,
+                          "history": "earlier turns count as their supervised tokens per row (" + src + ")"},
+        "output_tokens": {"per_unit": round(output_total / units, 1), "total": round(output_total), "source": src},
         "requests": {"total": round(requests), "per_unit": round(requests / units, 4),
-                     "formula": "sum over categories of units x requests_per_unit"},
+                     "formula": "sum over strata of units x P(reached) x requests per requested unit"},
         "servers": {"count": a["servers"], "output_tokens_per_s_each": a["server_output_tokens_per_s"],
                     "server_hours": round(server_hours, 2), "wall_hours": round(server_hours / a["servers"], 2),
                     "formula": (f"server-hours = {round(output_total):,} output tokens / "
                                 f"{a['server_output_tokens_per_s']:,} tokens/s / 3600; wall = server-hours / "
                                 f"{a['servers']}")},
-        "shards": {"rows": round(rows), "keep_fraction": round(rows / units, 4), "overlong_drop_fraction": round(overlong, 4),
+        "shards": {"rows": round(rows), "keep_fraction": round(rows / units, 4), "overlong_drop_fraction": round(dropped, 4),
                    "prompt_tokens": round(shard_prompt), "supervised_tokens": round(supervised),
                    "tokens": round(shard_tokens), "files": num_files, "file_bytes": round(file_bytes),
                    "bytes_per_token": round(bpt, 3), "bytes": round(shard_bytes),
-                   "formula": "bytes = files x empty-file bytes + shard tokens x bytes_per_token; per category: "
-                              "rows = units x keep, supervised = units x supervised per unit, prompt side = units "
-                              "x rendered prompt mean x (keep, or with a pilot its measured shard/rendered ratio)"},
+                   "formula": "bytes = files x empty-file bytes + shard tokens x bytes_per_token; per stratum "
+                              "(category, first/later turn), over requested units (units x P(reached)): rows = "
+                              "x keep, supervised = rows x supervised per row, prompt side = rows x (rendered "
+                              "fixed part + earlier turns' supervised tokens) x the pilot's real/estimated ratio"},
         "draft": draft_plan(profile, a, shard_tokens) if profile.train.draft_preset else {},
-        "strata": {k: {"units": round(u[k]), "prompt_side_mean": round(side_mean[k], 1),
-                       **{n: round(v, 4) for n, v in rates[k].items()}} for k in sorted(strata)},
+        "strata": {k: {"units": round(s["units"] * scale), "requested": round(s["requested"], 1),
+                       "prompt_side_mean": round(s["side_mean"], 1), **{n: round(v, 4) for n, v in s["rate"].items()}}
+                   for k, s in sorted(strata.items())},
         "assumptions": a, "pilot": measured, "preflight_problems": rep.problems,
     }
     write_json_atomic(plan, run.root / "plan.json")
@@ -435,14 +527,17 @@ def print_plan(plan: dict) -> None:
         ["prompts / units", f"{plan['prompts']:,} / {plan['units']:,}", "selection x scale"],
         ["prompt tokens p50 / p90 / max", f"{pt['p50']:,} / {pt['p90']:,} / {pt['max']:,}",
          f"{pt['renderer']} renderer on {pt['rendered_units']:,} units"],
-        ["prompt tokens total", f"{pt['total']:,}", f"units x mean {pt['mean']} (every request's prompt side)"],
+        ["prompt tokens total", f"{pt['total']:,}", f"requested units x mean {pt['mean']} (every request's prompt "
+                                                     f"side; history = earlier turns' supervised tokens)"],
         ["output tokens total", f"{plan['output_tokens']['total']:,}",
          f"{plan['output_tokens']['per_unit']}/unit, {plan['output_tokens']['source']}"],
-        ["requests", f"{plan['requests']['total']:,}", f"units x {plan['requests']['per_unit']}"],
+        ["requests", f"{plan['requests']['total']:,}", f"{plan['requested_units']:,} requested units (P(reached), "
+                                                        f"{plan['continuation']['source']}) x attempts"],
         ["server-hours / wall hours", f"{sv['server_hours']:,} / {sv['wall_hours']:,}", sv["formula"]],
-        ["shard rows", f"{sh['rows']:,}", f"units x keep {sh['keep_fraction']} (overlong drop {sh['overlong_drop_fraction']})"],
-        ["shard prompt-side tokens", f"{sh['prompt_tokens']:,}", "units x rendered mean x keep (pilot: measured ratio)"],
-        ["supervised tokens", f"{sh['supervised_tokens']:,}", "units x supervised per unit"],
+        ["shard rows", f"{sh['rows']:,}", f"units x {sh['keep_fraction']} (overlong drop {sh['overlong_drop_fraction']})"],
+        ["shard prompt-side tokens", f"{sh['prompt_tokens']:,}", "rows x (rendered fixed part + earlier turns' "
+                                                                 "supervised tokens) x pilot ratio"],
+        ["supervised tokens", f"{sh['supervised_tokens']:,}", "rows x supervised tokens per row"],
         ["shard tokens / bytes", f"{sh['tokens']:,} / {sh['bytes'] / 1e9:,.3f} GB",
          f"{sh['files']} file(s) x {sh['file_bytes']} B + tokens x {sh['bytes_per_token']} B/token"],
     ]

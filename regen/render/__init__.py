@@ -28,5 +28,6 @@ Modules, in reading order:
     show.py          `regen show-render`: one conversation from stdin, rendered and masked
 
 Entry point: `regen.render.stage.run_render(cfg: RenderConfig, run: RunDir)`; `make_renderer(cfg)` is the public
-way for other stages to render (eval renders held-out prompts with it). CLI `regen render`.
+way for other stages to render (eval renders held-out prompts with it); `sample_prompt_side(renderer, messages,
+tools, template_kwargs)` counts a row's prompt side before its answer exists (`regen plan`). CLI `regen render`.
 """

@@ -199,11 +199,12 @@ class RowRenderer:
 
     Counters: `counts` (cut, completion_differs, closing_appended, server_ids), `drift` (rows_checked, causes)."""
 
+    render_options = {"last_only": True}  # the sample of the last turn (see module doc)
+
     def __init__(self, renderer, cfg, contract_hash: str):
         self.renderer, self.cfg, self.contract_hash = renderer, cfg, contract_hash
         self.allowed_kwargs = KIMI_TEMPLATE_KWARGS if renderer.name == "kimi-k3" else ()
         # rows supervise the last turn only: an HF template need only be prefix-stable up to it
-        self.render_options = {"last_only": True}  # the sample of the last turn (see module doc)
         self.closing, self.strip = self._closing_and_strip()
         self.counts: Counter = Counter()
         self.drift = {"rows_checked": 0, "rows_drifted": 0, "causes": Counter()}

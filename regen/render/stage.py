@@ -74,6 +74,28 @@ def make_renderer(cfg: RenderConfig):
     return HFTemplateRenderer(path, mask=cfg.hf_mask)
 
 
+def sample_prompt_side(renderer, messages: list[dict], tools: list[dict] | None = None,
+                       template_kwargs: dict | None = None) -> tuple[int, int]:
+    """(prompt-side tokens, history tokens) of the shard row this stage writes for an assistant turn generated
+    after `messages` (OpenAI-style dicts, ending with a user or tool message), counted before the answer exists.
+
+    prompt-side = the row's num_tokens - num_loss_tokens: the generation prompt of `messages` tokenized alone plus
+    the template's closing tail after the answer (`rows.RowRenderer.sample`, `render(..., last_only=True)`; the
+    answer's own ids never change these, issue #11 point 4). history = the supervised-span tokens of the assistant
+    messages inside `messages` (a full render's `assistant_spans`): the part a regenerated history replaces; 0
+    where the template does not render that history prefix-stably. Raises ValueError when `messages` do not render.
+    """
+    kwargs = dict(template_kwargs or {}, add_generation_prompt=False)
+    conversation = list(messages) + [{"role": "assistant", "content": ""}]
+    sample = renderer.render(conversation, tools, **RowRenderer.render_options, **kwargs)
+    start, end = sample.assistant_spans[-1]
+    try:
+        spans = renderer.render(conversation, tools, **kwargs).assistant_spans[:-1]
+    except ValueError:  # e.g. an HF template that rewrites earlier turns (TemplateNotPrefixStable)
+        spans = []
+    return start + len(sample.input_ids) - end, sum(e - s for s, e in spans)
+
+
 # -- inputs ---------------------------------------------------------------------------------------------------
 
 def generation_files(run: RunDir) -> list[Path]:
