@@ -89,7 +89,7 @@ def write_original_generations(run: RunDir) -> dict:
     files, prompts_manifest = _prompt_parts(run)
     fingerprint = hashlib.sha256(canonical_json(prompts_manifest["parts"]).encode()).hexdigest()[:16]
     old = read_json(orig.generations / "manifest.json")
-    if old and old.get("prompts_fingerprint") == fingerprint \
+    if old and old.get("prompts_fingerprint") == fingerprint and old.get("complete") \
             and all((orig.generations / p["path"]).is_file() for p in old.get("parts", [])):
         return old
     if int(prompts_manifest.get("schema_version") or 1) < 2 or any(
@@ -116,6 +116,13 @@ def write_original_generations(run: RunDir) -> dict:
     manifest = {"stage": "originals", "parts": parts, "prompts_fingerprint": fingerprint, "num_prompts": num_prompts,
                 "num_prompts_with_original": with_original, "num_rows": len(rows),
                 "prompts_without_original": dict(sorted(without.items()))}
+    # complete by construction: one row per (prompt, turn) with an original; the render stage's finished-generation
+    # rule (regen.render.stage.generation_status) reads the same fields as for generations/
+    units = {(r["prompt_id"], r["turn"]) for r in rows}
+    manifest["accounting"] = {"prompts": with_original, "units": len(units), "generated": len(rows), "error": 0,
+                              "skipped": 0, "rows": len(rows), "duplicates": len(rows) - len(units), "missing": 0,
+                              "stray": 0, "balanced": len(rows) == len(units)}
+    manifest["complete"] = manifest["accounting"]["balanced"]
     run.write_manifest(orig.generations, manifest)
     return manifest
 

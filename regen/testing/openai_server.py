@@ -52,6 +52,8 @@ from dataclasses import asdict, dataclass, field
 
 from aiohttp import web
 
+from regen.testing.capacity import CapacityModel, _Capture
+
 try:
     import orjson
 
@@ -132,7 +134,7 @@ class Settings:
     timings: bool = False  # keep [key, received, ended] per chat request (GET /_timings; bench/scale.py)
 
 
-class FakeOpenAI:
+class FakeOpenAI(CapacityModel):
     """The server's state and handlers (`app()` builds the aiohttp application)."""
 
     def __init__(self, settings: Settings | None = None, log_file: str | None = None):
@@ -435,86 +437,6 @@ class FakeOpenAI:
     async def get_timings(self, request: web.Request) -> web.Response:
         return web.Response(body=_dumps(self.timings), content_type="application/json")
 
-    # -- the capacity model (Settings.slots)
-    async def _served(self, request, body, ans, want_ids, stream) -> web.StreamResponse:
-        """Queue for a decode slot, prefill, then decode at the batch's pace (module doc, "Capacity model")."""
-        s = self.settings
-        if self._slot_free is None:
-            self._slot_free = asyncio.Condition()
-        if s.max_waiting is not None and self.waiting >= s.max_waiting:
-            return web.json_response({"error": {"message": "queue full", "code": "overloaded"}}, status=503)
-        n_tokens = len(ans["reasoning"]) + len(ans["content"])
-        held = len(ans["prompt_token_ids"]) + n_tokens
-        self.waiting += 1
-        try:
-            async with self._slot_free:
-                await self._slot_free.wait_for(lambda: self.running < s.slots)
-                self.running += 1
-        finally:
-            self.waiting -= 1
-        self.kv_used += held
-        try:
-            if s.prefill_s:
-                await asyncio.sleep(s.prefill_s)
-            if not stream:
-                await self._decode(n_tokens)
-                return await self._whole(request, body, ans, None, want_ids)
-            capture = _Capture()
-            await self._stream(capture, body, ans, None, want_ids)
-            events = [e + b"\n\n" for e in capture.data.split(b"\n\n") if e]
-            resp = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-            await resp.prepare(request)
-            head, tail = 1, max(1, len(events) - n_tokens - 1)  # role event first; usage, finish, [DONE] last
-            await resp.write(b"".join(events[:head]))
-            sent = head
-            async for done in self._decoding(n_tokens):
-                upto = min(len(events) - tail, head + done)
-                if upto > sent:
-                    await resp.write(b"".join(events[sent:upto]))
-                    sent = upto
-            await resp.write(b"".join(events[sent:]))
-            await resp.write_eof()
-            return resp
-        finally:
-            self.kv_used -= held
-            async with self._slot_free:
-                self.running -= 1
-                self._slot_free.notify(1)
-
-    def _itl(self) -> float:
-        s = self.settings
-        return s.itl_s * (1 + s.load_factor * self.running / max(1, s.slots))
-
-    async def _decoding(self, n_tokens: int, step_s: float = 0.05):
-        """Yield the number of tokens decoded so far, every step_s, until n_tokens (the ITL follows the load)."""
-        done = 0.0
-        while done < n_tokens:
-            itl = self._itl()
-            if itl <= 0:
-                break
-            dt = min(step_s, (n_tokens - done) * itl)
-            await asyncio.sleep(dt)
-            done += dt / itl
-            yield int(done)
-        yield n_tokens
-
-    async def _decode(self, n_tokens: int) -> None:
-        async for _ in self._decoding(n_tokens):
-            pass
-
-    async def prometheus(self, request: web.Request) -> web.Response:
-        s = self.settings
-        if s.metrics not in ("vllm", "sglang"):
-            return web.Response(status=404, text="no metrics")
-        usage = self.kv_used / s.kv_tokens if s.kv_tokens else self.running / max(1, s.slots)
-        names = {"vllm": ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"),
-                 "sglang": ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage")}[s.metrics]
-        lines = []
-        for name, value in zip(names, (self.running, self.waiting, min(1.0, usage))):
-            lines += [f"# HELP {name} capacity model of regen.testing.openai_server", f"# TYPE {name} gauge",
-                      f'{name}{{model_name="fake"}} {float(value)}']
-        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
-
 
 def _lognormal_scale(digest: bytes, sigma: float) -> float:
     """exp(sigma z - sigma^2 / 2), z ~ N(0, 1) drawn from the request's digest: mean 1, long right tail."""
@@ -522,19 +444,6 @@ def _lognormal_scale(digest: bytes, sigma: float) -> float:
 
     z = random.Random(digest).gauss(0.0, 1.0)
     return math.exp(sigma * z - sigma * sigma / 2)
-
-
-class _Capture:
-    """Collects what a handler writes (to pre-encode the fixed benchmark answer)."""
-
-    def __init__(self):
-        self.data = b""
-
-    async def write(self, data: bytes) -> None:
-        self.data += data
-
-    async def write_eof(self) -> None:
-        pass
 
 
 class ServerThread:
