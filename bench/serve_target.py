@@ -2,6 +2,8 @@
 and output tokens/s at 1 request in flight (the baseline) and at 8 and 16 concurrent requests.
 
     .venv/bin/python -P bench/serve_target.py [--quick] [--max-tokens 64] [--set serve.cb_num_blocks=64 ...]
+    # the other prepared model (default: serve.model_dir's default, smollm2-135m)
+    .venv/bin/python -P bench/serve_target.py --set serve.model_dir=data/models/gemma3-270m
 
 Prints one JSON line per concurrency with `tok_s`, `ratio` (= tok_s / tok_s at concurrency 1, same run), the
 server's CPU seconds per output token (robust to other load on a shared machine) and the load average.
@@ -79,7 +81,7 @@ def main() -> None:
     max_tokens = 16 if args.quick else args.max_tokens
     t0 = time.perf_counter()
     with EmbeddedTarget(cfg) as target:
-        print(json.dumps({"ready_s": round(time.perf_counter() - t0, 1), "model": target.model,
+        print(json.dumps({"ready_s": round(time.perf_counter() - t0, 1), "model": target.model, "load_avg": os.getloadavg()[0],
                           "cb_num_blocks": cfg.cb_num_blocks, "cb_max_batch_tokens": cfg.cb_max_batch_tokens}))
         base = None
         for c in levels:

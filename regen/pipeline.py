@@ -173,14 +173,16 @@ def eval_line(ev: dict) -> str:
 
 
 def print_summary(run: RunDir) -> None:
-    """Stage counts, generation outcomes, rejects and the mix (with the SQL that makes it)."""
+    """Stage counts, the finish-reason mix, generation outcomes, rejects and the mix (with the SQL that makes it)."""
     from regen.report import summary
     from regen.report.query import print_table
 
-    counts = summary.stage_counts(run.root)
-    for stage, c in counts.items():
-        print(f"{stage:9s} " + ", ".join(f"{k}={v}" for k, v in c.items() if v not in (None, {}, [])))
+    stages = summary.stage_table(summary.stage_counts(run.root))
+    if stages[1]:
+        print_table(*stages, title="stages")
     con = summary.connect(run.root)
+    if line := summary.finish_line(con):
+        print(line)
     for title, table in (("generations", summary.generation_table(con)), ("rejected", summary.reject_table(con))):
         if table[1]:
             print_table(*table, title=title)

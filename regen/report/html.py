@@ -11,7 +11,8 @@ Plots (matplotlib PNGs inlined as base64 `data:` URIs; no file or network access
   throughput     output tokens/s and requests per minute     generations/throughput.parquet, else finished_at
   drift          render drift: rows whose rendered prompt ids differ from the server's, by cause
                                                              shards/manifest.json `drift`
-and tables: stage counts (manifests), the mix, generation outcomes, reject reasons. A missing stage gives a
+and tables: stage counts (manifests, one row per count), the mix, the finish-reason mix of the answers,
+generation outcomes, reject reasons. A missing stage gives a
 note in place of its plots, never an error. Written to `<run>/report.html` by default. A small inline script
 counts the images the browser decoded into `<body data-images-ok=N>` (the headless-browser test reads it).
 """
@@ -196,11 +197,8 @@ def render_report(run_root: str | Path) -> str:
              f"<style>{CSS}</style><script>{SCRIPT}</script></head><body>",
              f"<h1>regen report: {html.escape(str(root))}</h1>",
              f"<p>generated {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}</p><h2>Stages</h2>"]
-    def fmt(v):
-        return f"{v:.4g}" if isinstance(v, float) else v
-
-    rows = [(s, ", ".join(f"{k}={fmt(v)}" for k, v in c.items() if v not in (None, {}, []))) for s, c in counts.items()]
-    parts.append(_html_table((["stage", "counts"], rows)) if rows else '<p class="missing">no stage has run</p>')
+    stages = summary.stage_table(counts)
+    parts.append(_html_table(stages) if stages[1] else '<p class="missing">no stage has run</p>')
     parts.append('<h2>Plots</h2><div class="plots">')
     for name, (png, caption) in plots.items():
         if png:
@@ -211,6 +209,7 @@ def render_report(run_root: str | Path) -> str:
                          f'{html.escape(caption)}</p></figure>')
     parts.append("</div><h2>Mix</h2>" + _html_table(summary.mix_table(con)))
     parts.append(f"<p>Query: <code>{html.escape(summary.MIX_SQL)}</code></p>")
+    parts.append("<h2>Finish reasons</h2>" + _html_table(summary.finish_table(con)))
     parts.append("<h2>Generations</h2>" + _html_table(summary.generation_table(con)))
     parts.append("<h2>Rejected</h2>" + _html_table(summary.reject_table(con)))
     parts.append("</body></html>")

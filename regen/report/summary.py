@@ -1,4 +1,5 @@
-"""Summaries of a run directory for people: the mix, stage counts, reject reasons, generation outcomes.
+"""Summaries of a run directory for people: the mix, stage counts, reject reasons, generation outcomes and the
+finish-reason mix.
 
 Plain functions over the run's DuckDB views (`regen.report.query`) and manifests, shared by `regen run` (printed),
 the Prefect flow (artifacts) and `regen report` (tables beside the plots). Every function tolerates a missing
@@ -95,6 +96,27 @@ def generation_table(con) -> Table:
                        "FROM generations GROUP BY ALL ORDER BY rows DESC")
 
 
+def finish_table(con) -> Table:
+    """finish_reason, answers, pct, output_tokens, mean_tokens over the `ok` generations (every turn); empty before
+    generate. `stop`: the answer ended by itself; `length`: cut at `generate.max_tokens`."""
+    if "generations" not in views(con):
+        return [], []
+    return _table(con, "SELECT coalesce(finish_reason, '(none)') AS finish_reason, count(*) AS answers, "
+                       "round(100.0 * count(*) / sum(count(*)) OVER (), 1) AS pct, "
+                       "coalesce(sum(num_completion_tokens), 0) AS output_tokens, "
+                       "round(avg(num_completion_tokens), 1) AS mean_tokens FROM generations WHERE status = 'ok' "
+                       "GROUP BY 1 ORDER BY answers DESC")
+
+
+def finish_line(con) -> str:
+    """One line, e.g. `finish_reason of 114 answers: stop 92.1% (105), length 7.9% (9)`; '' before generate."""
+    cols, rows = finish_table(con)
+    if not rows:
+        return ""
+    total = sum(r[1] for r in rows)
+    return f"finish_reason of {total} answers: " + ", ".join(f"{r[0]} {r[2]}% ({r[1]})" for r in rows)
+
+
 def stage_counts(run_root: str | Path) -> dict:
     """Counts from each stage's manifest: {stage: {...}}; a stage without a manifest is absent."""
     root = Path(run_root)
@@ -126,6 +148,25 @@ def stage_counts(run_root: str | Path) -> dict:
             out["render"]["drift_rate"] = m["drift"].get("rate")
             out["render"]["drift_rows_checked"] = m["drift"].get("rows_checked")
     return out
+
+
+def _cell(value):
+    return f"{value:.4g}" if isinstance(value, float) else value
+
+
+def stage_table(counts: dict) -> Table:
+    """`stage_counts` as rows of (stage, measure, value): one row per count, a dict count (e.g.
+    `failures_by_class`) one row per key as `failures_by_class: empty_content`. Empty values are left out."""
+    rows = []
+    for stage, c in counts.items():
+        for key, value in c.items():
+            if value in (None, {}, []):
+                continue
+            if isinstance(value, dict):
+                rows += [(stage, f"{key}: {k}", _cell(v)) for k, v in value.items()]
+            else:
+                rows.append((stage, key, _cell(value)))
+    return ["stage", "measure", "value"], rows
 
 
 def markdown_table(table: Table, title: str | None = None) -> str:

@@ -5,14 +5,14 @@
 as a child process, waits until `/v1/models` lists the model, sends one warm-up request, and on exit stops the
 process group (SIGTERM, then SIGKILL after `stop_timeout_s`). The child also gets SIGTERM if this process dies
 (Linux `PR_SET_PDEATHSIG`), so a killed worker leaves no server behind. The model id is the model directory's
-name (`gemma3-270m`): the server is pinned to it and answers 400 to any other `model`.
+name (`smollm2-135m`): the server is pinned to it and answers 400 to any other `model`.
 
 What the server does with a request (transformers 5.24, measured; README "The embedded target"):
 - honours `max_tokens` / `max_completion_tokens` per request, `stop` (as stop strings), streaming with `usage`
   in the last chunk; `finish_reason` is `stop` or `length`.
 - sampling (`temperature`, `top_p`) is shared by the whole continuous batch and fixed by its first request;
   with the model's generation config (`do_sample` unset) decoding is greedy, so outputs are deterministic.
-- returns no `reasoning_content` (a base model) and no token ids; unknown body fields (e.g. `return_token_ids`,
+- returns no `reasoning_content` (neither embedded model produces it) and no token ids; unknown body fields (e.g. `return_token_ids`,
   `thinking`) are rejected with 422.
 
 CLI: `regen serve-target --profile local [--port 8431]` serves until Ctrl-C.
@@ -74,7 +74,7 @@ class EmbeddedTarget:
     """Context manager: the embedded target server on loopback.
 
     Attributes after `__enter__` (or `start()`): `base_url` ("http://127.0.0.1:PORT/v1"), `model` (the id to
-    request, e.g. "gemma3-270m"), `port`, `pid`, `log_path` (the server's stdout+stderr, one access line per
+    request, e.g. "smollm2-135m"), `port`, `pid`, `log_path` (the server's stdout+stderr, one access line per
     request at log level info), `ready_s` (seconds from start to ready, warm-up included).
 
     Raises InputError when the model directory is missing (run `bash scripts/setup.sh`) and TargetStartError

@@ -55,7 +55,7 @@ def test_generations_come_from_the_real_model(local_run):
     out = _regen("query", "--run", str(run), "--json",
                  "SELECT model, status, content, num_completion_tokens FROM generations WHERE status = 'ok'")
     rows = [json.loads(x) for x in out.stdout.splitlines()]
-    assert rows and {r["model"] for r in rows} == {"gemma3-270m"}
+    assert rows and {r["model"] for r in rows} == {"smollm2-135m"}
     assert all(0 < r["num_completion_tokens"] <= 16 for r in rows)
     assert sum(bool(r["content"].strip()) for r in rows) >= len(rows) // 2
     assert _posts(run) >= len(rows) + 1  # served over HTTP: warm-up + one request per row at least

@@ -7,7 +7,7 @@ import pytest
 
 from regen.config.render import RenderConfig
 from regen.render.hf_template import HFTemplateRenderer
-from regen.serve.prepare_model import CHAT_TEMPLATE
+from regen.serve.prepare_model import CHAT_TEMPLATE, MODELS
 from regen.render.stage import run_render
 from regen.rundir import RunDir
 from render_fixtures import generation_row, write_generations
@@ -32,12 +32,12 @@ def rows() -> list[dict]:
     ]
 
 
-def generated_text(row: dict) -> str:
+def generated_text(row: dict, end_of_turn: str = "<end_of_turn>") -> str:
     """What the embedded template renders for the generated turn inside {% generation %} (prepare_model)."""
     text = row["content"] or ""
     for c in row["tool_calls"] or []:
         text += '<tool_call>\n{"name": "' + c["function"]["name"] + '", "arguments": ' + c["function"]["arguments"] + "}\n</tool_call>"
-    return text + "<end_of_turn>"
+    return text + end_of_turn
 
 
 @pytest.mark.parametrize("mask", ["markers", "prefix"])
@@ -113,14 +113,17 @@ def test_local_profile_renders_with_the_embedded_tokenizer(tmp_path, repo_root):
     run = RunDir.at(tmp_path)
     m = run_render(cfg, run, progress=False)
     r = HFTemplateRenderer(model_dir)
-    assert r.mask == "markers" and m["contract"]["tokenizer_name"] == "gemma3-270m"
+    spec = MODELS[model_dir.name]  # the profile's embedded target (regen.serve.prepare_model)
+    assert r.mask == "markers" and m["contract"]["tokenizer_name"] == spec.name
     by_key = {(x["prompt_id"], x["turn"]): x for x in rows()}
     samples = [s for e in m["shards"] for s in pq.read_table(run.shards / e["path"]).to_pylist()]
     assert len(samples) == len(rows())
     for s in samples:
         (span,) = s["loss_spans"]
-        assert r.decode(s["input_ids"][span["start"]:span["end"]]) == generated_text(by_key[(s["prompt_id"], s["turn"])])
-        assert s["input_ids"][0] == r.tokenizer.bos_token_id and s["input_ids"][span["end"] - 1] == 106
+        assert r.decode(s["input_ids"][span["start"]:span["end"]]) == generated_text(
+            by_key[(s["prompt_id"], s["turn"])], spec.end_of_turn)
+        first = r.tokenizer.bos_token_id if "bos_token" in spec.chat_template else r.tokenizer.convert_tokens_to_ids("<|im_start|>")
+        assert s["input_ids"][0] == first and s["input_ids"][span["end"] - 1] == spec.end_of_turn_id
 
 
 def test_template_that_drops_history_reasoning_renders_per_turn_rows(tmp_path, make_hf_dir):

@@ -24,8 +24,8 @@ def test_host_must_be_loopback():
 
 
 def test_command_line():
-    cmd = server_command(ServeConfig(cb_num_blocks=32, cb_max_batch_tokens=512), "gemma3-270m", 1234)
-    assert cmd[1:3] == ["serve", "gemma3-270m"]
+    cmd = server_command(ServeConfig(cb_num_blocks=32, cb_max_batch_tokens=512), "smollm2-135m", 1234)
+    assert cmd[1:3] == ["serve", "smollm2-135m"]
     i = cmd.index("--host")
     assert cmd[i + 1] == "127.0.0.1" and cmd[cmd.index("--port") + 1] == "1234"
     assert "--continuous-batching" in cmd and cmd[cmd.index("--cb-num-blocks") + 1] == "32"
@@ -46,10 +46,10 @@ def target(model_dir, tmp_path_factory):
 
 @pytest.mark.slow
 def test_serves_the_model_on_loopback_only(target):
-    assert target.model == "gemma3-270m"
+    assert target.model == "smollm2-135m"
     assert target.base_url.startswith("http://127.0.0.1:")
     models = httpx.get(target.base_url + "/models", timeout=10).json()
-    assert [m["id"] for m in models["data"]] == ["gemma3-270m"]
+    assert [m["id"] for m in models["data"]] == ["smollm2-135m"]
     listening = [c for c in psutil.Process(target.pid).net_connections("inet") if c.status == psutil.CONN_LISTEN]
     assert listening and {c.laddr.ip for c in listening} == {"127.0.0.1"}
 

@@ -1,0 +1,68 @@
+"""The run summary and the report's tables: stage counts as readable rows (no Python dicts), the finish-reason mix."""
+from __future__ import annotations
+
+from regen.pipeline import print_summary
+from regen.report import summary
+from regen.report.html import render_report
+from regen.rundir import RunDir
+from schemas.generation import GENERATION_SCHEMA
+from schemas.io import write_json_atomic, write_rows_atomic
+
+# (status, finish_reason, completion tokens): 7 stop, 2 length, 1 error row (not an answer)
+ROWS = [("ok", "stop", 10)] * 7 + [("ok", "length", 64)] * 2 + [("error", None, None)]
+
+
+def make_run(root, rows=ROWS, failures={"empty_content": 18, "timeout": 2}):
+    gens = [{"request_key": f"k{i}", "prompt_id": f"p{i}", "turn": i % 2, "status": s, "finish_reason": f,
+             "num_completion_tokens": n, "category": "general", "language": "en", "model": "m",
+             "error_class": None if s == "ok" else "empty_content"} for i, (s, f, n) in enumerate(rows)]
+    write_rows_atomic(gens, root / "generations" / "part-w0-00000.parquet", GENERATION_SCHEMA)
+    write_json_atomic({"accounting": {"generated": 9, "error": 1, "skipped": 0, "units": 10, "balanced": True},
+                       "metrics": {"attempts": 12, "output_tokens": 198, "output_tok_per_s": 12.345678,
+                                   "failures_by_class": failures, "error_rows_by_class": {}}},
+                      root / "generations" / "manifest.json")
+    return root
+
+
+def test_stage_table_has_one_row_per_count_and_per_dict_key():
+    counts = {"select": {"rows": 48, "shortfall": None},
+              "generate": {"generated": 9, "output_tok_per_s": 12.345678, "failures_by_class": {"empty_content": 18},
+                           "error_rows_by_class": {}}}
+    cols, rows = summary.stage_table(counts)
+    assert cols == ["stage", "measure", "value"]
+    assert rows == [("select", "rows", 48), ("generate", "generated", 9), ("generate", "output_tok_per_s", "12.35"),
+                    ("generate", "failures_by_class: empty_content", 18)]
+    assert summary.stage_table({}) == (["stage", "measure", "value"], [])
+
+
+def test_finish_mix_counts_answers_only(tmp_path):
+    con = summary.connect(make_run(tmp_path))
+    cols, rows = summary.finish_table(con)
+    assert cols[:3] == ["finish_reason", "answers", "pct"]
+    assert [(r[0], r[1], r[2]) for r in rows] == [("stop", 7, 77.8), ("length", 2, 22.2)]
+    assert rows[1][3] == 128 and rows[0][4] == 10.0  # output tokens, mean tokens
+    assert summary.finish_line(con) == "finish_reason of 9 answers: stop 77.8% (7), length 22.2% (2)"
+
+
+def test_finish_mix_other_mixes(tmp_path):
+    only_length = make_run(tmp_path / "a", rows=[("ok", "length", 5)] * 3)
+    assert summary.finish_line(summary.connect(only_length)) == "finish_reason of 3 answers: length 100.0% (3)"
+    unknown = make_run(tmp_path / "b", rows=[("ok", None, 5), ("ok", "tool_calls", 7), ("ok", "tool_calls", 3)])
+    assert summary.finish_line(summary.connect(unknown)) == (
+        "finish_reason of 3 answers: tool_calls 66.7% (2), (none) 33.3% (1)")
+    (tmp_path / "empty").mkdir()
+    con = summary.connect(tmp_path / "empty")
+    assert summary.finish_table(con) == ([], []) and summary.finish_line(con) == ""
+
+
+def test_report_and_run_summary_print_tables_not_dicts(tmp_path, capsys):
+    run = make_run(tmp_path)
+    text = render_report(run)
+    assert "failures_by_class: empty_content</td><td>18</td>" in text
+    assert "failures_by_class: timeout</td><td>2</td>" in text
+    assert "{" not in text.split("<h2>Stages</h2>")[1].split("<h2>Plots</h2>")[0]
+    assert "<h2>Finish reasons</h2><table><tr><th>finish_reason</th>" in text
+    print_summary(RunDir.at(tmp_path))
+    out = capsys.readouterr().out
+    assert "finish_reason of 9 answers: stop 77.8% (7), length 22.2% (2)" in out
+    assert "failures_by_class: empty_content" in out and "{'empty_content'" not in out
