@@ -9,7 +9,8 @@ a list of (t_s, limit, reason) at every change.
 
 The law, taken once per window (after one turnover `settle` following a change: at least `min_samples`
 completions, at least `limit` of them, and at least max(min_window_s, p50 latency) seconds; in slow start the
-settle and the window last one p50 latency, without min_window_s, so the ramp costs a few turnovers), first match
+settle and the window last one p50 latency, without min_window_s, and a doubling needs only `limit` completions,
+while ending slow start on "no gain" still needs `min_samples`, so the ramp costs a few turnovers), first match
 wins:
 
 1. Overload: a 429 or 503 in the window -> limit *= backoff (multiplicative decrease of AIMD, Chiu & Jain 1989,
@@ -121,7 +122,9 @@ class ConcurrencyController:
             if len(self._gauges) >= 2 or self._samples >= self.cfg.min_samples:
                 return self._decide_gauges(now)
             return False
-        enough = max(self.cfg.min_samples, self.limit)
+        # slow start may double on one turnover's samples (a doubling's gain is large next to the noise); ending
+        # it on "no gain" waits for min_samples (see _decide_climb)
+        enough = self.limit if self.slow_start else max(self.cfg.min_samples, self.limit)
         if self._samples < enough or elapsed < (self.p50_latency or 0.0):
             return False
         return self._decide_climb(now, elapsed)
@@ -174,6 +177,8 @@ class ConcurrencyController:
             self.best_rate, self.best_limit = rate, self.limit
             up = self._limit * 2 if self.slow_start else self._limit + self._step()
             return self._set(now, up, f"{rate:.0f} tok/s gained")
+        if self.slow_start and self._samples < self.cfg.min_samples:
+            return False  # too few samples to end slow start on: the window goes on
         if self.limit > self.best_limit:  # the step bought nothing: undo it
             self.slow_start = False
             return self._set(now, self.best_limit, f"{rate:.0f} tok/s no gain", hold=True)

@@ -70,6 +70,20 @@ def test_slow_start_windows_last_one_turnover_then_min_window_s_applies():
     assert len(ctl.history) == hist and ctl.limit == 8
 
 
+def test_slow_start_doubles_on_one_turnover_but_ends_only_on_min_samples():
+    ctl = ConcurrencyController(cfg(initial=4, min_samples=16, min_window_s=0.1), now=0.0)
+    feed(ctl, 0.0, 0.5, 4, tokens=50)  # 4 answers (one turnover at limit 4, fewer than min_samples) decide
+    assert ctl.limit == 8
+    feed(ctl, ctl._settle_until, 0.5, 8, tokens=50)  # 800 tok/s vs 400: gained, doubled on 8 answers
+    assert ctl.limit == 16
+    ctl = ConcurrencyController(cfg(initial=4, min_samples=16, min_window_s=0.1), now=0.0)
+    feed(ctl, 0.0, 0.5, 4, tokens=50)
+    t = feed(ctl, ctl._settle_until, 0.5, 8, tokens=26)  # 416 tok/s vs 400: no gain on 8 < 16 answers: wait
+    assert ctl.limit == 8 and ctl.slow_start
+    feed(ctl, t, 0.5, 8, tokens=26)  # 16 answers, still no gain: slow start ends, back to 4
+    assert ctl.limit == 4 and not ctl.slow_start and ctl.history[-1][2].endswith("no gain")
+
+
 @pytest.mark.parametrize("ttft,expected", [(0.26, 24), (0.185, 26), (0.9, 16)])
 def test_a_queue_that_ends_slow_start_goes_down_to_what_the_server_was_serving(ttft, expected):
     ctl = ConcurrencyController(cfg(initial=16), now=0.0)
