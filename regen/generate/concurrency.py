@@ -9,9 +9,9 @@ a list of (t_s, limit, reason) at every change.
 
 The law, taken once per window (after one turnover `settle` following a change: at least `min_samples`
 completions, at least `limit` of them, and at least max(min_window_s, p50 latency) seconds; in slow start the
-settle and the window last one p50 latency, without min_window_s, and a doubling needs only `limit` completions,
-while ending slow start on "no gain" still needs `min_samples`, so the ramp costs a few turnovers), first match
-wins:
+settle and the window last one p50 latency, without min_window_s, and a doubling needs only `limit` completions
+(with gauges: one reading and `limit` completions, or two readings), while ending slow start on "no gain" still
+needs `min_samples`, so the ramp costs a few turnovers), first match wins:
 
 1. Overload: a 429 or 503 in the window -> limit *= backoff (multiplicative decrease of AIMD, Chiu & Jain 1989,
    as TCP Reno on loss); probing pauses for `HOLD_WINDOWS` windows.
@@ -119,7 +119,9 @@ class ConcurrencyController:
         if elapsed < self._min_window():
             return False
         if self._gauges:
-            if len(self._gauges) >= 2 or self._samples >= self.cfg.min_samples:
+            # two readings, or enough answers: min_samples, or in slow start one turnover's (limit)
+            enough = self.limit if self.slow_start else self.cfg.min_samples
+            if len(self._gauges) >= 2 or self._samples >= enough:
                 return self._decide_gauges(now)
             return False
         # slow start may double on one turnover's samples (a doubling's gain is large next to the noise); ending

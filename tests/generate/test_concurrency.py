@@ -95,6 +95,18 @@ def test_a_queue_that_ends_slow_start_goes_down_to_what_the_server_was_serving(t
     assert ctl.limit == expected and not ctl.slow_start and "queued" in ctl.history[-1][2]
 
 
+def test_gauge_mode_slow_start_decides_on_one_reading_and_one_turnover():
+    ctl = ConcurrencyController(cfg(initial=8, min_samples=16, min_window_s=0.1), now=0.0)
+    ctl.on_gauges(0.05, 8, 0, None)  # one reading: an empty queue
+    feed(ctl, 0.0, 0.5, 8)  # 8 answers (one turnover, < min_samples) while the limit binds: doubled
+    assert ctl.limit == 16 and ctl.history[-1][2].startswith("queue 0.0")
+    ctl = ConcurrencyController(cfg(initial=8, min_samples=16, min_window_s=0.1), now=0.0)
+    ctl.slow_start = False
+    ctl.on_gauges(0.05, 8, 0, None)
+    feed(ctl, 0.0, 0.5, 8)  # past slow start one reading and 8 answers decide nothing
+    assert ctl.limit == 8 and len(ctl.history) == 1
+
+
 def test_a_queue_that_ends_slow_start_in_gauge_mode_may_halve():
     ctl = ConcurrencyController(cfg(initial=64, queue_target=0.05), now=0.0)
     gauges(ctl, 0.0, running=32, waiting=32)  # (32 + 1.6) / 64 = 0.525: below backoff 0.7, allowed in slow start
