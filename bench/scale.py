@@ -12,9 +12,13 @@ same command (resume) finishes the killed shard.
 
 Printed (JSON lines, then a summary): wall time; client CPU-seconds per 1,000 output tokens (both actors'
 user + sys CPU, from psutil, over both sessions); peak RSS per actor; peak journal bytes and final part bytes;
-requests re-sent after the kill (request keys received twice by the servers) with the requests in flight at the
-kill (received before it, ended after it): every re-sent key must be one of them; rows lost and duplicated from
-the accounting (must be 0); the projection: client cores per 1M output tokens/s = CPU-s per token x 1e6.
+requests re-sent after the kill (keys the servers received in the first session and again in the resume) and the
+requests in flight at the kill from the client's side (sent, by the servers' /_timings, but not recorded in a
+part or journal line when the first session ended; see `in_flight_at_kill`): the two sets must be equal; the
+requests of the resume per shard (only the killed actor's shard may appear); rows lost and duplicated from the
+accounting (must be 0); the projection: client cores per 1M output tokens/s = CPU-s per token x 1e6.
+With `--keep DIR` the run directory stays, with `bench-scale.json` (kill pid and time, both timings snapshots,
+the keys recorded after the first session).
 
 Sizes: the full 150,000 prompts take about 15 minutes on a 2-core machine (answers scaled down to about 60
 tokens, servers answering after 50 ms); `--prompts N` for a medium run; `--quick` (400 prompts, in-flight 64)
@@ -111,6 +115,49 @@ def start_servers(n: int) -> list[tuple[subprocess.Popen, str]]:
     return out
 
 
+def server_timings(urls: list[str]) -> list[list]:
+    """Every server's [request_key, received_t, ended_t] rows so far (GET /_timings), in arrival order per server."""
+    out = []
+    for url in urls:
+        with urllib.request.urlopen(url.removesuffix("/v1") + "/_timings", timeout=60) as r:
+            out += json.loads(r.read())
+    return out
+
+
+def in_flight_at_kill(first: list | None, durable: set[str], timings: list, kill_t: float | None) -> dict:
+    """Requests in flight at the kill, from the client's side, and the requests the resume re-sent.
+
+    In flight at the kill = request keys the servers received in the first session whose rows were not recorded
+    when it ended (`durable`: parts + complete journal lines, read before the resume's recover). The killed actor
+    records nothing after its SIGKILL and the other actor records every request it sent, so this is exactly the
+    killed actor's requests that were sent but not yet recorded (a journal line written but not yet fsynced counts
+    as recorded: the page cache outlives a killed process, and recover() reads it). Re-sent = keys received in
+    the first session and again in the second. The promise: re-sent == in flight. `open_at_servers_at_kill`
+    counts the narrower server-side view (received <= kill <= ended); `answered_before_kill_not_recorded` the
+    answers the servers had finished sending while the client had not yet recorded them (parsing, checking or
+    the journal's group commit), with the oldest one's age at the kill.
+    """
+    if first is None:
+        return {"figures": {"in_flight_at_kill": 0, "resent_after_kill": 0, "resent_not_in_flight": 0,
+                            "in_flight_not_resent": 0}}
+    sent_first = {k for k, _, _ in first}
+    first_count = Counter(k for k, _, _ in first)
+    all_count = Counter(k for k, _, _ in timings)
+    sent_again = {k for k in sent_first if all_count[k] > first_count[k]}
+    flight = sent_first - durable
+    ended = {k: b for k, _, b in first}
+    answered = [kill_t - ended[k] for k in flight if kill_t and ended[k] < kill_t]
+    figures = {
+        "in_flight_at_kill": len(flight), "resent_after_kill": len(sent_again),
+        "resent_not_in_flight": len(sent_again - flight), "in_flight_not_resent": len(flight - sent_again),
+        "open_at_servers_at_kill": sum(1 for k, a, b in first if kill_t and a <= kill_t <= b),
+        "received_by_servers_after_kill": sum(1 for k, a, b in first if kill_t and a > kill_t),
+        "answered_before_kill_not_recorded": len(answered),
+        "oldest_unrecorded_answer_age_s": round(max(answered, default=0.0), 2),
+    }
+    return {"figures": figures}
+
+
 class Watch(threading.Thread):
     """Samples the actors (CPU, RSS) and the journal every 0.5 s; kills one actor at `kill_at` of the units."""
 
@@ -184,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
                                               "max_in_flight": in_flight, "ray_actors": args.actors})
     files = prompt_files(run)
     from regen.generate.conversation import turn_positions
-    from regen.generate.runner import iter_prompts
+    from regen.generate.runner import in_shard, iter_prompts
 
     units = sum(len(turn_positions(r["messages"])) for r in iter_prompts(files))
     print(json.dumps({"prompts": n, "units": units, "pool": len(pool), **kinds, "servers": len(urls),
@@ -194,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     watch.start()
     t0 = time.time()
     sessions = []
+    first: list | None = None  # the servers' timings when the first session ended
+    durable: set[str] = set()  # request keys recorded (parts + journal lines) when the first session ended
     try:
         for session in (1, 2):
             try:
@@ -204,14 +253,14 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as exc:  # the killed actor's error: resume with the same command
                 sessions.append({"session": session, "error": type(exc).__name__, "wall_s": round(time.time() - t0, 1)})
             print(json.dumps(sessions[-1]), flush=True)
+            if session == 1:  # before the resume's recover() turns the journals into parts
+                first, durable = server_timings(urls), ledger.recorded_keys(run.generations)
     finally:
         wall = time.time() - t0
         watch.stop.set()
         watch.join()
-        timings = []
-        for proc, url in servers:
-            with urllib.request.urlopen(url.removesuffix("/v1") + "/_timings", timeout=60) as r:
-                timings += json.loads(r.read())
+        timings = server_timings(urls)
+        for proc, _ in servers:
             proc.terminate()
             proc.wait(10)
     acc = accounting(run.generations, files)
@@ -220,10 +269,17 @@ def main(argv: list[str] | None = None) -> int:
         t = pq.read_table(f, columns=["status", "num_completion_tokens"]).to_pydict()
         out_tokens += sum(x or 0 for s, x in zip(t["status"], t["num_completion_tokens"]) if s == "ok")
     part_bytes = sum(f.stat().st_size for f in ledger.part_paths(run.generations))
-    received = Counter(k for k, _, _ in timings)
-    resent = {k for k, c in received.items() if c > 1}
     kill_t = watch.killed[1] if watch.killed else None
-    in_flight_at_kill = {k for k, a, b in timings if kill_t and a <= kill_t <= b}
+    flight = in_flight_at_kill(first, durable, timings, kill_t)
+    if first is not None:  # which shards the resume asked for: only the killed actor's may appear
+        index = ledger.read_index(run.generations, ["request_key", "prompt_id"]).to_pydict()
+        shard_of = {k: next(i for i in range(args.actors) if in_shard(pid, (i, args.actors)))
+                    for k, pid in zip(index["request_key"], index["prompt_id"])}
+        resumed = Counter(k for k, _, _ in timings) - Counter(k for k, _, _ in first)
+        per_shard = Counter()
+        for k, c in resumed.items():
+            per_shard[shard_of.get(k, -1)] += c
+        flight["figures"]["resume_requests_per_shard"] = {str(i): per_shard[i] for i in sorted(per_shard)}
     cpu_s = sum(watch.cpu.values())
     per_1k = cpu_s / max(1, out_tokens) * 1000
     summary = {
@@ -232,17 +288,19 @@ def main(argv: list[str] | None = None) -> int:
         "client_cpu_s": round(cpu_s, 1), "client_cpu_s_per_1k_output_tokens": round(per_1k, 4),
         "peak_rss_mb_per_actor_process": sorted(round(v / 2**20) for v in watch.rss.values()),  # both sessions
         "journal_peak_bytes": watch.journal_peak, "part_bytes": part_bytes,
-        "killed_actor": bool(watch.killed), "requests_received": len(timings),
-        "in_flight_at_kill": len(in_flight_at_kill), "resent_after_kill": len(resent),
-        "resent_not_in_flight": len(resent - in_flight_at_kill),
+        "killed_actor": bool(watch.killed), "requests_received": len(timings), **flight.pop("figures"),
         "rows_lost": acc["missing"], "rows_duplicated": acc["duplicates"], "balanced": acc["balanced"],
         "projection_client_cores_per_1M_output_tok_s": round(per_1k * 1000, 1),
         "load_avg": round(os.getloadavg()[0], 2),
     }
     print("SUMMARY " + json.dumps(summary), flush=True)
+    if args.keep:  # what the figures were computed from, for a closer look
+        write_json_atomic({"kill": {"pid": watch.killed[0], "t": kill_t} if watch.killed else None,
+                           "first_session_timings": first, "timings": timings, "durable_after_first": sorted(durable)},
+                          root / "bench-scale.json")
     if not args.keep:
         shutil.rmtree(root.parent, ignore_errors=True)
-    return 0 if acc["balanced"] and not summary["resent_not_in_flight"] else 1
+    return 0 if acc["balanced"] and not summary["resent_not_in_flight"] and not summary["in_flight_not_resent"] else 1
 
 
 if __name__ == "__main__":

@@ -8,14 +8,18 @@ waiting, KV-cache usage in [0, 1]). It answers with `limit` (int, in [cfg.min, c
 a list of (t_s, limit, reason) at every change.
 
 The law, taken once per window (after one turnover `settle` following a change: at least `min_samples`
-completions, at least `limit` of them, and at least max(min_window_s, p50 latency) seconds), first match wins:
+completions, at least `limit` of them, and at least max(min_window_s, p50 latency) seconds; in slow start the
+settle and the window last one p50 latency, without min_window_s, and a doubling needs only `limit` completions
+(with gauges: one reading and `limit` completions, or two readings), while ending slow start on "no gain" still
+needs `min_samples`, so the ramp costs a few turnovers), first match wins:
 
 1. Overload: a 429 or 503 in the window -> limit *= backoff (multiplicative decrease of AIMD, Chiu & Jain 1989,
    as TCP Reno on loss); probing pauses for `HOLD_WINDOWS` windows.
 2. Gauges (fresh `on_gauges` in the window): a queue target, as TCP Vegas keeps between alpha and beta packets
    queued at the bottleneck (Brakmo & Peterson 1995), but the queue is read from the server instead of being
    estimated from round-trip times. Target q* = max(1, queue_target x running), mean over the window:
-   waiting > 2 q* (or KV cache >= 0.98 with a queue): limit *= clip((running + q*) / (running + waiting), backoff, 0.9);
+   waiting > 2 q* (or KV cache >= 0.98 with a queue): limit *= clip((running + q*) / (running + waiting), backoff, 0.9)
+   (floor 0.5 instead of backoff when the queue ends slow start: a doubling overshoots by 2x at most);
    waiting < q* / 2 (the queue runs empty, so decode slots may idle) and the limit binds: limit x 2 until the
    first queue is seen (slow start), then limit += step; otherwise hold. A short queue that never empties keeps every decode slot busy without growing latency.
 3. No gauges: hill climbing on output tokens/s, the probe of BBR ("did more in flight deliver more?", Cardwell
@@ -23,7 +27,9 @@ completions, at least `limit` of them, and at least max(min_window_s, p50 latenc
    `min_gain`, step up again (x2 in slow start, then + step); a step that did not pay is undone (back to the
    best limit; slow start ends) and probing pauses for `HOLD_WINDOWS` windows. A queue guard, as TCP Vegas's
    BaseRTT: when the window's p50 time to first token exceeds `latency_tolerance` x the lowest TTFT seen and
-   that excess is over 10% of the p50 latency (queueing, not jitter), limit -= step. The base is the lowest
+   that excess is over 10% of the p50 latency (queueing, not jitter), limit -= step; in slow start (the doubling
+   overshot) the limit goes down to the requests the server was serving, limit x (1 - mean queue wait / mean
+   latency) by Little's law, not below the last limit that paid, and slow start ends. The base is the lowest
    single TTFT seen (not a window's p50), so a start above the server's capacity still finds the unqueued TTFT.
 
 step = max(1, limit / 8). A window where the limit never bound (fewer requests to send than the limit: the
@@ -91,8 +97,13 @@ class ConcurrencyController:
         return self._maybe_decide(now)
 
     # -- decisions
+    def _min_window(self) -> float:
+        """Seconds a window lasts at least: one p50 latency (a turnover) in slow start, else also min_window_s."""
+        turnover = self.p50_latency or 0.0
+        return turnover if self.slow_start else max(self.cfg.min_window_s, turnover)
+
     def _new_window(self, now: float, settle: bool = True) -> None:
-        wait = max(self.cfg.min_window_s, self.p50_latency or 0.0) if settle else 0.0
+        wait = self._min_window() if settle else 0.0
         self._settle_until = now + wait
         self._t0 = now + wait
         self._samples = self._tokens = self._overloads = 0
@@ -105,13 +116,17 @@ class ConcurrencyController:
         elapsed = now - self._t0
         if self._overloads:
             return self._set(now, self._limit * self.cfg.backoff, "overload (429/503)", hold=True)
-        if elapsed < self.cfg.min_window_s:
+        if elapsed < self._min_window():
             return False
         if self._gauges:
-            if len(self._gauges) >= 2 or self._samples >= self.cfg.min_samples:
+            # two readings, or enough answers: min_samples, or in slow start one turnover's (limit)
+            enough = self.limit if self.slow_start else self.cfg.min_samples
+            if len(self._gauges) >= 2 or self._samples >= enough:
                 return self._decide_gauges(now)
             return False
-        enough = max(self.cfg.min_samples, self.limit)
+        # slow start may double on one turnover's samples (a doubling's gain is large next to the noise); ending
+        # it on "no gain" waits for min_samples (see _decide_climb)
+        enough = self.limit if self.slow_start else max(self.cfg.min_samples, self.limit)
         if self._samples < enough or elapsed < (self.p50_latency or 0.0):
             return False
         return self._decide_climb(now, elapsed)
@@ -131,7 +146,8 @@ class ConcurrencyController:
         target = max(1.0, self.cfg.queue_target * running)
         self._remember_latency()
         if waiting > 2 * target or (cache >= 0.98 and waiting > 0):
-            factor = max(self.cfg.backoff, min(0.9, (running + target) / max(1e-9, running + waiting)))
+            floor = 0.5 if self.slow_start else self.cfg.backoff  # a doubling overshoots by 2x at most
+            factor = max(floor, min(0.9, (running + target) / max(1e-9, running + waiting)))
             self.slow_start = False
             return self._set(now, self._limit * factor, f"queue {waiting:.1f} > {2 * target:.1f}")
         if waiting < target / 2 and self._binds():
@@ -152,8 +168,10 @@ class ConcurrencyController:
                   and ttft > self.cfg.latency_tolerance * self.base_ttft
                   and ttft - self.base_ttft > 0.1 * self.p50_latency)
         if queued and self.limit > self.cfg.min:
+            # slow start overshot: down to the requests the server was serving (not below the last limit that
+            # paid), else one step down
+            down = max(self.best_limit, self._serving()) if self.slow_start else self._limit - self._step()
             self.slow_start = False
-            down = self._limit - self._step()
             if self.best_rate is None or rate >= self.best_rate * (1 + self.cfg.min_gain):
                 self.best_rate, self.best_limit = rate, int(down)  # the queue holds what the step gained
             return self._set(now, down, f"ttft {ttft:.3g}s queued", hold=True)
@@ -161,6 +179,8 @@ class ConcurrencyController:
             self.best_rate, self.best_limit = rate, self.limit
             up = self._limit * 2 if self.slow_start else self._limit + self._step()
             return self._set(now, up, f"{rate:.0f} tok/s gained")
+        if self.slow_start and self._samples < self.cfg.min_samples:
+            return False  # too few samples to end slow start on: the window goes on
         if self.limit > self.best_limit:  # the step bought nothing: undo it
             self.slow_start = False
             return self._set(now, self.best_limit, f"{rate:.0f} tok/s no gain", hold=True)
@@ -170,6 +190,14 @@ class ConcurrencyController:
             self.hold -= 1
             return self._set(now, self._limit, "hold")
         return self._set(now, self._limit + self._step(), "probe")
+
+    def _serving(self) -> float:
+        """Requests the server was serving, by Little's law: the window's limit x the share of a request's time
+        not spent queued, 1 - mean(TTFT - base TTFT) / mean latency (the queue holds the rest)."""
+        if not self._ttfts or not self._latencies or self.base_ttft is None:
+            return self._limit - self._step()
+        wait = max(0.0, statistics.fmean(self._ttfts) - self.base_ttft)
+        return self._limit * max(0.0, 1 - wait / max(1e-9, statistics.fmean(self._latencies)))
 
     def _remember_latency(self) -> None:
         p50 = _median(self._latencies)

@@ -46,7 +46,10 @@ def test_scale_quick_loses_and_duplicates_nothing_across_a_killed_actor():
     summary = json.loads(next(x for x in lines if x.startswith("SUMMARY ")).removeprefix("SUMMARY "))
     assert summary["killed_actor"] and summary["sessions"][0].get("error")  # the kill cut the first session
     assert summary["rows_lost"] == 0 and summary["rows_duplicated"] == 0 and summary["balanced"]
-    assert summary["resent_after_kill"] <= summary["in_flight_at_kill"] and summary["resent_not_in_flight"] == 0
+    # exactly the requests sent but not recorded at the kill are sent again, and only the killed actor's shard
+    assert summary["resent_after_kill"] == summary["in_flight_at_kill"]
+    assert summary["resent_not_in_flight"] == 0 and summary["in_flight_not_resent"] == 0
+    assert len(summary["resume_requests_per_shard"]) <= 1 and "-1" not in summary["resume_requests_per_shard"]
     assert summary["output_tokens"] > 0 and summary["client_cpu_s_per_1k_output_tokens"] > 0
     assert summary["part_bytes"] > 0 and summary["journal_peak_bytes"] > 0
     assert len(summary["peak_rss_mb_per_actor_process"]) >= 2

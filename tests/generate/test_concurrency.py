@@ -46,6 +46,77 @@ def test_slow_start_doubles_while_throughput_grows_and_undoes_a_step_that_did_no
     assert ctl.limit == 18
 
 
+def feed(ctl: ConcurrencyController, t: float, seconds: float, n: int, *, tokens: int = 10, ttft: float = 0.01,
+         latency: float = 0.5) -> float:
+    """n completions spread over `seconds` from t, with the limit binding; returns the end time."""
+    ctl.on_start(ctl.limit)
+    for i in range(n):
+        ctl.on_done(t + seconds * (i + 1) / n, latency_s=latency, ttft_s=ttft, output_tokens=tokens)
+    return t + seconds
+
+
+def test_slow_start_windows_last_one_turnover_then_min_window_s_applies():
+    ctl = ConcurrencyController(cfg(min_window_s=5.0), now=0.0)
+    feed(ctl, 0.0, 0.6, 8, tokens=10)  # the first window: no latency known yet, enough samples decide
+    changed_at = ctl.history[-1][0]
+    assert ctl.limit == 8 and ctl._settle_until == pytest.approx(changed_at + 0.5)  # one p50 latency, not 5 s
+    t = feed(ctl, ctl._settle_until, 0.6, 16, tokens=20)  # a 0.6 s window (> p50 0.5 s) decides in slow start
+    assert ctl.limit == 16
+    feed(ctl, ctl._settle_until, 0.6, 16, tokens=20)  # 16 in flight gave nothing over 8: undo, slow start over
+    assert ctl.limit == 8 and not ctl.slow_start
+    assert ctl._settle_until == pytest.approx(ctl.history[-1][0] + 5.0)
+    hist = len(ctl.history)
+    feed(ctl, ctl._settle_until, 4.0, 64, tokens=50)  # past slow start a window lasts min_window_s: no decision
+    assert len(ctl.history) == hist and ctl.limit == 8
+
+
+def test_slow_start_doubles_on_one_turnover_but_ends_only_on_min_samples():
+    ctl = ConcurrencyController(cfg(initial=4, min_samples=16, min_window_s=0.1), now=0.0)
+    feed(ctl, 0.0, 0.5, 4, tokens=50)  # 4 answers (one turnover at limit 4, fewer than min_samples) decide
+    assert ctl.limit == 8
+    feed(ctl, ctl._settle_until, 0.5, 8, tokens=50)  # 800 tok/s vs 400: gained, doubled on 8 answers
+    assert ctl.limit == 16
+    ctl = ConcurrencyController(cfg(initial=4, min_samples=16, min_window_s=0.1), now=0.0)
+    feed(ctl, 0.0, 0.5, 4, tokens=50)
+    t = feed(ctl, ctl._settle_until, 0.5, 8, tokens=26)  # 416 tok/s vs 400: no gain on 8 < 16 answers: wait
+    assert ctl.limit == 8 and ctl.slow_start
+    feed(ctl, t, 0.5, 8, tokens=26)  # 16 answers, still no gain: slow start ends, back to 4
+    assert ctl.limit == 4 and not ctl.slow_start and ctl.history[-1][2].endswith("no gain")
+
+
+@pytest.mark.parametrize("ttft,expected", [(0.26, 24), (0.185, 26), (0.9, 16)])
+def test_a_queue_that_ends_slow_start_goes_down_to_what_the_server_was_serving(ttft, expected):
+    ctl = ConcurrencyController(cfg(initial=16), now=0.0)
+    t = window(ctl, 0.0, tokens_per_s=400, ttft=0.01, latency=1.0)  # base TTFT 0.01 s; 16 paid: doubled
+    assert ctl.limit == 32 and ctl.slow_start
+    # at 32 the mean TTFT holds (ttft - 0.01) s of queue in a 1 s request: 32 x (1 - wait) were being served,
+    # never below 16, the last limit that paid
+    window(ctl, t, tokens_per_s=800, ttft=ttft, latency=1.0)
+    assert ctl.limit == expected and not ctl.slow_start and "queued" in ctl.history[-1][2]
+
+
+def test_gauge_mode_slow_start_decides_on_one_reading_and_one_turnover():
+    ctl = ConcurrencyController(cfg(initial=8, min_samples=16, min_window_s=0.1), now=0.0)
+    ctl.on_gauges(0.05, 8, 0, None)  # one reading: an empty queue
+    feed(ctl, 0.0, 0.5, 8)  # 8 answers (one turnover, < min_samples) while the limit binds: doubled
+    assert ctl.limit == 16 and ctl.history[-1][2].startswith("queue 0.0")
+    ctl = ConcurrencyController(cfg(initial=8, min_samples=16, min_window_s=0.1), now=0.0)
+    ctl.slow_start = False
+    ctl.on_gauges(0.05, 8, 0, None)
+    feed(ctl, 0.0, 0.5, 8)  # past slow start one reading and 8 answers decide nothing
+    assert ctl.limit == 8 and len(ctl.history) == 1
+
+
+def test_a_queue_that_ends_slow_start_in_gauge_mode_may_halve():
+    ctl = ConcurrencyController(cfg(initial=64, queue_target=0.05), now=0.0)
+    gauges(ctl, 0.0, running=32, waiting=32)  # (32 + 1.6) / 64 = 0.525: below backoff 0.7, allowed in slow start
+    assert ctl.limit == int(64 * 0.525) and not ctl.slow_start
+    ctl = ConcurrencyController(cfg(initial=64, queue_target=0.05), now=0.0)
+    ctl.slow_start = False
+    gauges(ctl, 0.0, running=32, waiting=32)  # past slow start the backoff bounds one step
+    assert ctl.limit == int(64 * 0.7)
+
+
 def test_additive_probe_kept_when_it_pays():
     ctl = ConcurrencyController(cfg(initial=16), now=0.0)
     ctl.slow_start = False
