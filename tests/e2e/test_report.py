@@ -66,4 +66,4 @@ def test_a_run_whose_rows_were_all_rejected(tmp_path):
     manifest = json.loads((run / "shards" / "manifest.json").read_text())
     (run / "shards" / "manifest.json").write_text(json.dumps({**manifest, "shards": []}))
     text = render_report(run)
-    assert "rows=0" in text and 'id="plot-mix"><img' in text
+    assert "<tr><td>render</td><td>rows</td><td>0</td></tr>" in text and 'id="plot-mix"><img' in text
