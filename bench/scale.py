@@ -21,7 +21,7 @@ With `--keep DIR` the run directory stays, with `bench-scale.json` (kill pid and
 the keys recorded after the first session).
 
 Sizes: the full 150,000 prompts take about 15 minutes on a 2-core machine (answers scaled down to about 60
-tokens, servers answering after 50 ms); `--prompts N` for a medium run; `--quick` (400 prompts, in-flight 64)
+tokens, servers answering after 50 ms); `--prompts N` for a medium run; `--quick` (400 prompts, in-flight 8)
 is run by the test suite, which checks that the figures are printed and that nothing was lost or duplicated.
 """
 from __future__ import annotations
@@ -189,7 +189,14 @@ class Watch(threading.Thread):
         return n + sum(e.get("rows", 0) for e in ledger.listed_parts(self.gen_dir).values())
 
     def run(self) -> None:
-        while not self.stop.wait(0.5):
+        last_sample = 0.0
+        # the kill is checked every 50 ms (a quick run lasts seconds: a 0.5 s poll could miss the window and kill
+        # an actor that had already finished its shard); the actors are sampled every 0.5 s
+        while not self.stop.wait(0.05 if self.killed is None and self.kill_at is not None else 0.5):
+            self.maybe_kill()
+            if time.time() - last_sample < 0.5:
+                continue
+            last_sample = time.time()
             for p in self.actors():
                 try:
                     t = p.cpu_times()
@@ -198,18 +205,20 @@ class Watch(threading.Thread):
                 except psutil.Error:
                     pass
             self.journal_peak = max(self.journal_peak, sum(j.stat().st_size for j in self.gen_dir.glob("journal-*.jsonl")))
-            if self.kill_at is not None and self.killed is None and self.recorded() >= self.kill_at * self.total_units:
-                victims = self.actors()
-                if victims:
-                    victim = victims[0]
-                    self.killed = (victim.pid, time.time())
-                    os.kill(victim.pid, signal.SIGKILL)
+
+    def maybe_kill(self) -> None:
+        if self.kill_at is not None and self.killed is None and self.recorded() >= self.kill_at * self.total_units:
+            victims = self.actors()
+            if victims:
+                victim = victims[0]
+                self.killed = (victim.pid, time.time())
+                os.kill(victim.pid, signal.SIGKILL)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--prompts", type=int, default=150_000)
-    p.add_argument("--quick", action="store_true", help="400 prompts, in-flight 64 (the test suite's mode)")
+    p.add_argument("--quick", action="store_true", help="400 prompts, in-flight 8 (the test suite's mode)")
     p.add_argument("--max-in-flight", default=None, help="per actor (default: the kimi-k3 profile's 4096; quick 64)")
     p.add_argument("--servers", type=int, default=8)
     p.add_argument("--actors", type=int, default=2)
@@ -223,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     pool = pool_rows(Path(tempfile.gettempdir()) / "regen-scale-pool", 2000)
     kinds = resample(pool, n, run)
     profile = load_profile("kimi-k3")
-    in_flight = args.max_in_flight or (64 if args.quick else profile.generate.max_in_flight)
+    in_flight = args.max_in_flight or (8 if args.quick else profile.generate.max_in_flight)  # quick: long enough to kill mid-shard
     in_flight = in_flight if in_flight == "auto" else int(in_flight)
     servers = start_servers(args.servers)
     urls = [u for _, u in servers]
