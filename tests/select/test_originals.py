@@ -12,24 +12,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from regen.config.select import SelectConfig, SourceConfig
 from regen.select.originals import original_answers, source_answer
 from regen.select.shapes import normalize_row
-from regen.select.sources import iter_raw_batches, make_drafts, shape_of, source_files
+from select_helpers import drafts_of
 from schemas.prompt import PROMPT_SCHEMA, PromptRecord, inserted_positions, original_answers_of, turn_positions
 
 
-def _drafts(path, **src_kw):
-    src = SourceConfig(name="t", path=str(path), **src_kw)
-    cfg = SelectConfig(sources=[src])
-    out = []
-    for fpath, kind in source_files(src):
-        shape = fmap = None
-        for sfile, start, rows in iter_raw_batches(fpath, kind, 1000, src.fields):
-            if shape is None:
-                shape, fmap = shape_of(sfile, rows, src.fields)
-            out.extend(make_drafts(src, cfg, sfile, start, rows, shape, fmap, {}))
-    return out
 
 
 def _rows(path):
@@ -55,7 +43,7 @@ def _first(drafts, row=0):
 def test_answer_fields_of_benchmark_and_instruction_rows(repo_root, rel, field):
     path = repo_root / "data/prompts" / rel
     raw = _rows(path)
-    drafts = _drafts(path)
+    drafts = drafts_of(path)
     checked = 0
     for row in (0, 1, 7):
         d, r = _first(drafts, row), raw[row]
@@ -72,11 +60,11 @@ def test_humaneval_answer_is_the_prompt_completed_by_its_canonical_solution(repo
     path = repo_root / "data/prompts/humaneval/HumanEval.jsonl"
     raw = _rows(path)
     for row in (0, 5):
-        d = _first(_drafts(path), row)
+        d = _first(drafts_of(path), row)
         (answer,) = d.original_answers
         assert answer["content"] == raw[row]["prompt"] + raw[row]["canonical_solution"]
         assert d.messages == [{"role": "user", "content": raw[row]["prompt"]}]
-    assert _first(_drafts(path)).original_answers[0]["content"].startswith("from typing import List\n")
+    assert _first(drafts_of(path)).original_answers[0]["content"].startswith("from typing import List\n")
 
 
 def test_conversations_keep_their_trailing_gpt_turn(repo_root):
@@ -84,7 +72,7 @@ def test_conversations_keep_their_trailing_gpt_turn(repo_root):
                 "llamafactory_toolcall/glaive_toolcall_zh_demo.json"):
         path = repo_root / "data/prompts" / rel
         raw = _rows(path)
-        drafts = _drafts(path)
+        drafts = drafts_of(path)
         for row in (0, 3):
             d = _first(drafts, row)
             last = raw[row]["conversations"][-1]
@@ -94,13 +82,13 @@ def test_conversations_keep_their_trailing_gpt_turn(repo_root):
             gpt_turns = sum(t["from"] in ("gpt", "function_call") for t in raw[row]["conversations"][:-1])
             assert sum(m["role"] == "assistant" for m in d.messages) == gpt_turns
             assert inserted_positions(d.messages) == [len(d.messages)]
-    assert _first(_drafts(repo_root / "data/prompts/fastchat_dummy_conversation")).original_answers[0]["content"] \
+    assert _first(drafts_of(repo_root / "data/prompts/fastchat_dummy_conversation")).original_answers[0]["content"] \
         == _rows(repo_root / "data/prompts/fastchat_dummy_conversation/dummy_conversation.json")[0]["conversations"][-1]["value"]
 
 
 def test_kimi_mtp_rows_keep_their_gpt_answer(repo_root):
     ds = datasets.load_from_disk(str(repo_root / "data/prompts/kimi_mtp_sample"))
-    drafts = [d for d in _drafts(repo_root / "data/prompts/kimi_mtp_sample") if not d.error]
+    drafts = [d for d in drafts_of(repo_root / "data/prompts/kimi_mtp_sample") if not d.error]
     assert len(drafts) > 200
     with_tools = 0
     for d in drafts:
@@ -122,7 +110,7 @@ def test_kimi_mtp_rows_keep_their_gpt_answer(repo_root):
     ("gaokao_bench/Objective_Questions/2010-2022_Math_I_MCQs.json", "answer_not_text"),  # answer: ["D"]
 ])
 def test_sources_without_an_answer_say_why(repo_root, rel, reason):
-    drafts = [d for d in _drafts(repo_root / "data/prompts" / rel) if not d.error]
+    drafts = [d for d in drafts_of(repo_root / "data/prompts" / rel) if not d.error]
     assert drafts and all(d.original_answers is None for d in drafts)
     assert {d.original_missing for d in drafts} == {reason}
 
@@ -131,7 +119,7 @@ def test_belle_rows_with_an_empty_std_answer_have_none(repo_root):
     path = repo_root / "data/prompts/belle_eval/eval_set.jsonl"
     raw = _rows(path)
     empty = [i for i, r in enumerate(raw) if not r["std_answer"].strip()]
-    drafts = {d.source_row: d for d in _drafts(path)}
+    drafts = {d.source_row: d for d in drafts_of(path)}
     assert empty
     for i in empty[:5]:
         assert drafts[i].original_answers is None and drafts[i].original_missing == "empty_answer"

@@ -6,26 +6,16 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from regen.config.select import SelectConfig, SourceConfig
+from regen.config.select import SourceConfig
 from regen.select.shapes import detect_shape, normalize_row, openai_tools
-from regen.select.sources import iter_raw_batches, make_drafts, shape_of, source_files
+from regen.select.sources import source_files
+from select_helpers import drafts_of
 
 
-def _drafts(path, **src_kw):
-    src = SourceConfig(name="t", path=str(path), **src_kw)
-    cfg = SelectConfig(sources=[src])
-    out = []
-    for fpath, kind in source_files(src):
-        shape = fmap = None
-        for sfile, start, rows in iter_raw_batches(fpath, kind, 1000, src.fields):
-            if shape is None:
-                shape, fmap = shape_of(sfile, rows, src.fields)
-            out.extend(make_drafts(src, cfg, sfile, start, rows, shape, fmap, {}))
-    return out
 
 
 def test_sharegpt_function_call_and_observation(repo_root):
-    drafts = _drafts(repo_root / "data/prompts/llamafactory_toolcall/glaive_toolcall_en_demo.json")
+    drafts = drafts_of(repo_root / "data/prompts/llamafactory_toolcall/glaive_toolcall_en_demo.json")
     d = next(d for d in drafts if any(m.get("tool_calls") for m in d.messages or []))
     call_msg = next(m for m in d.messages if m.get("tool_calls"))
     call = call_msg["tool_calls"][0]
@@ -38,7 +28,7 @@ def test_sharegpt_function_call_and_observation(repo_root):
 
 
 def test_kimi_mtp_fixture_markers_parts_and_labels(repo_root):
-    drafts = _drafts(repo_root / "data/prompts/kimi_mtp_sample",
+    drafts = drafts_of(repo_root / "data/prompts/kimi_mtp_sample",
                      category_map={"math": "reasoning", "tool_agent": "tool_use", "zh_chat": "chinese"})
     assert len(drafts) == 228 and not [d.error for d in drafts if d.error]
     tool = [d for d in drafts if d.tools]
@@ -55,14 +45,14 @@ def test_kimi_mtp_fixture_markers_parts_and_labels(repo_root):
 
 
 def test_turns_bfcl_dialect_and_class_tools(repo_root):
-    mt = _drafts(repo_root / "data/prompts/fastchat_mt_bench/question.jsonl")
+    mt = drafts_of(repo_root / "data/prompts/fastchat_mt_bench/question.jsonl")
     assert all([m["role"] for m in d.messages] == ["user", "user"] for d in mt)
-    simple = _drafts(repo_root / "data/prompts/bfcl_v4/BFCL_v4_simple_python.json")
+    simple = drafts_of(repo_root / "data/prompts/bfcl_v4/BFCL_v4_simple_python.json")
     params = simple[0].tools[0]["function"]["parameters"]
     assert params["type"] == "object"
     assert all(p.get("type") != "dict" for d in simple for t in d.tools for p in t["function"]["parameters"]["properties"].values())
     assert all("." not in t["function"]["name"] for d in simple for t in d.tools)
-    multi = [d for d in _drafts(repo_root / "data/prompts/bfcl_v4") if d.source_file.endswith("multi_turn_base.json")]
+    multi = [d for d in drafts_of(repo_root / "data/prompts/bfcl_v4") if d.source_file.endswith("multi_turn_base.json")]
     assert multi and all(d.tools and len([m for m in d.messages if m["role"] == "user"]) >= 2 for d in multi)
     excluded = json.loads(open(repo_root / "data/prompts/bfcl_v4/BFCL_v4_multi_turn_base.json").readline())["excluded_function"]
     assert not {t["function"]["name"] for t in multi[0].tools} & set(excluded)
@@ -78,9 +68,9 @@ def test_bfcl_types_rewritten_recursively():
 
 
 def test_formats_tsv_json_wrapper_parquet_and_hub_snapshot(repo_root, tmp_path):
-    mgsm = _drafts(repo_root / "data/prompts/mgsm/mgsm_ja.tsv")
+    mgsm = drafts_of(repo_root / "data/prompts/mgsm/mgsm_ja.tsv")
     assert len(mgsm) == 80 and {d.language for d in mgsm} == {"ja"} and {d.category for d in mgsm} == {"multilingual"}
-    gaokao = _drafts(repo_root / "data/prompts/gaokao_bench")
+    gaokao = drafts_of(repo_root / "data/prompts/gaokao_bench")
     assert len(gaokao) == 40 and {d.language for d in gaokao} == {"zh"}
     # a Hub snapshot: nested parquet + json lines + README and dotfolders to skip
     snap = tmp_path / "snap"
@@ -93,7 +83,7 @@ def test_formats_tsv_json_wrapper_parquet_and_hub_snapshot(repo_root, tmp_path):
     (snap / "data" / "extra.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "Hallo, wie geht es dir heute?"}]}) + "\n")
     files = source_files(SourceConfig(name="s", path=str(snap)))
     assert [k for _, k in files] == ["jsonl", "parquet"]
-    drafts = _drafts(snap)
+    drafts = drafts_of(snap)
     assert drafts[0].language == "de" and drafts[0].category == "multilingual"
     assert drafts[1].messages[0]["content"] == "Sort a list in Python\n\n[3,1]" and drafts[1].category == "coding"
     assert drafts[2].messages[0]["content"] == "Say hi"
@@ -139,7 +129,7 @@ def test_dataset_dict_splits_are_source_files(tmp_path):
                                              "source": "math"}]),
     })
     dd.save_to_disk(str(tmp_path / "dd"))
-    drafts = _drafts(tmp_path / "dd", category_map={"chat": "general", "math": "reasoning"})
+    drafts = drafts_of(tmp_path / "dd", category_map={"chat": "general", "math": "reasoning"})
     files = sorted({d.source_file for d in drafts})
     assert files == [f"{tmp_path / 'dd'}#test", f"{tmp_path / 'dd'}#train"]
     assert [d.category for d in drafts if d.source_file.endswith("#test")] == ["reasoning"]
@@ -153,7 +143,7 @@ def test_every_user_turn_of_the_bundled_prompts_gets_its_own_answer(repo_root):
     num_multi = 0
     for name in ("fastchat_mt_bench", "mt_bench_zh", "mt_bench_multilingual", "bfcl_v4", "fastchat_dummy_conversation",
                  "llamafactory_toolcall", "kimi_mtp_sample"):
-        for d in _drafts(repo_root / "data/prompts" / name):
+        for d in drafts_of(repo_root / "data/prompts" / name):
             if d.error:
                 continue
             users = [i for i, m in enumerate(d.messages) if m["role"] == "user"]
