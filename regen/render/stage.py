@@ -228,16 +228,18 @@ def _filter_settings(cfg: RenderConfig) -> tuple[list[str], dict]:
     return names, params
 
 
-def filter_responses(cfg: RenderConfig, run: RunDir, *, progress: bool = True) -> dict:
+def filter_responses(cfg: RenderConfig, run: RunDir, *, progress: bool = True,
+                     files: list[Path] | None = None) -> dict:
     """Score every `ok` generation with the response filters; drops go to `rejected/render/part-filter.parquet`.
 
     Returns the summary written to `shards/filters.json`: {input_fingerprint, filters_hash, counts: {rows,
     ok, error, skipped, kept, dropped: {filter: n}}}. Skipped (returns the existing summary) when the input
-    and filter config are unchanged. Raises InputError when there are no generation files.
+    and filter config are unchanged. Raises InputError when there are no generation files. `files`: the
+    verified `generation_files(run)` when the caller already has them (each call checksums every part).
     """
     from filters.response import make_response_filters
 
-    files = generation_files(run)
+    files = generation_files(run) if files is None else files
     names, params = _filter_settings(cfg)
     fingerprint, fhash = input_fingerprint(files), _hash([names, params])
     summary_path = run.shards / "filters.json"
@@ -315,8 +317,8 @@ def run_render(cfg: RenderConfig, run: RunDir, *, progress: bool = True, force: 
     status = require_finished_generation(run, allow_incomplete)
     generations = {"complete": status["complete"], "allowed_incomplete": not status["complete"],
                    "problems": status["problems"]}
-    filter_summary = filter_responses(cfg, run, progress=progress)
-    files = generation_files(run)
+    files = generation_files(run)  # verified once (sha256 of every part), then passed on
+    filter_summary = filter_responses(cfg, run, progress=progress, files=files)
     renderer = make_renderer(cfg)
     contract = training_contract(renderer, max_tokens=cfg.max_tokens, turn_mode=cfg.turn_mode,
                                  min_loss_tokens=cfg.min_loss_tokens, template_kwargs=cfg.template_kwargs,
@@ -332,7 +334,7 @@ def run_render(cfg: RenderConfig, run: RunDir, *, progress: bool = True, force: 
     if not same or force:
         _clear_outputs(run)
         manifest = None
-    state = _State(run, cfg, contract, chash, cfg_hash, fingerprint, filter_summary, manifest)
+    state = _State(run, cfg, contract, chash, cfg_hash, fingerprint, filter_summary, manifest, files)
     state.base["generations"] = generations
     rows_renderer = RowRenderer(renderer, cfg, chash)
     state.restore_counters(rows_renderer)
@@ -385,7 +387,7 @@ def run_render(cfg: RenderConfig, run: RunDir, *, progress: bool = True, force: 
 class _State:
     """Manifest, counters, pending rejects and the shard writer of one render run (resumed from a manifest)."""
 
-    def __init__(self, run, cfg, contract, chash, cfg_hash, fingerprint, filter_summary, manifest):
+    def __init__(self, run, cfg, contract, chash, cfg_hash, fingerprint, filter_summary, manifest, files):
         self.run, self.cfg = run, cfg
         m = manifest or {}
         self.entries: list[dict] = list(m.get("shards", []))
@@ -398,7 +400,7 @@ class _State:
         self._saved = m
         self.base = {"schema": MANIFEST_SCHEMA, "schema_version": SCHEMA_VERSION, "contract": contract,
                      "contract_hash": chash, "config_hash": cfg_hash,
-                     "input": {"fingerprint": fingerprint, "files": [p.name for p in generation_files(run)]},
+                     "input": {"fingerprint": fingerprint, "files": [p.name for p in files]},
                      "filters": filter_summary["counts"]}
         for p in run.shards.glob("shard-*.parquet"):  # shards of a crashed checkpoint were never listed
             if p.name not in {e["path"] for e in self.entries}:
