@@ -9,8 +9,8 @@ turn supervised); `--pretty`: the text with supervised spans between ⟦ ⟧ (gr
 `--tokens`: one line per token (position, id, mask, text).
 
 Input policy (issue #11 points 6, 14): stdin must be UTF-8 JSON whose strings hold characters only. Invalid UTF-8,
-a lone surrogate (`"\ud800"`), a C0 control character other than tab, LF and CR (NUL included, raw or escaped),
-or nesting deeper than MAX_DEPTH levels is an InputError naming the place (line/column, or the JSON path such as
+a lone surrogate (`"\ud800"`), a C0 control character other than tab, LF and CR, or DEL (NUL included, raw or
+escaped; the select filter's rule, `filters.prompt.CONTROL_CHARS`), or nesting deeper than MAX_DEPTH levels is an InputError naming the place (line/column, or the JSON path such as
 `messages[0].content`): exit 2 with a message, never a traceback and never replacement characters.
 
 With Kimi-K3, a conversation the reference renders but a training row must not contain (roles out of order, a tool
@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import sys
 
+from filters.prompt import CONTROL_CHARS
 from regen.errors import InputError
 
 TEST_VOCAB_NOTE = ("regen show-render: using the project's TEST vocabulary (data/tokenizers/kimi-k3-test): control "
@@ -41,7 +42,6 @@ def add_arguments(parser) -> None:
 
 
 MAX_DEPTH = 100  # JSON nesting levels; deeper input is refused before any recursive code sees it
-ALLOWED_CONTROLS = frozenset("\t\n\r")
 
 
 def _decode_stdin(stream) -> str:
@@ -64,14 +64,14 @@ def _bad_char(text: str) -> str | None:
         o = ord(ch)
         if 0xD800 <= o <= 0xDFFF:
             return f"a lone surrogate \\u{o:04x} at char {i} (not a character; fix the escape or the encoding)"
-        if o < 0x20 and ch not in ALLOWED_CONTROLS:
-            return (f"the control character U+{o:04X} at char {i} (only tab, LF and CR are allowed; remove it or "
-                    "escape it as text)")
+        if CONTROL_CHARS.match(ch):  # the one control-character policy, shared with the select filter
+            return (f"the control character U+{o:04X} at char {i} (of C0 only tab, LF and CR are allowed, and no DEL; "
+                    "remove it or escape it as text)")
     return None
 
 
 def check_payload(payload) -> None:
-    """Refuse lone surrogates, C0 controls (but tab/LF/CR) in any string or key, and nesting deeper than MAX_DEPTH.
+    """Refuse lone surrogates, C0 controls (but tab/LF/CR) and DEL in any string or key, and nesting deeper than MAX_DEPTH.
     Iterative, so hostile depth cannot overflow the stack. Raises InputError naming the JSON path."""
     stack = [(payload, "stdin", 0)]
     while stack:

@@ -137,6 +137,7 @@ def test_invalid_utf8_is_an_error_naming_the_place(monkeypatch, capsys, data, ma
     ('{"messages": [{"role": "user", "content": [{"type": "text", "text": "esc\\u001b[31m"}]}]}',
      "messages[0].content[0].text holds the control character U+001B"),
     ('{"messages": [{"role": "user", "content": "ok", "name": "a\\u0007"}]}', "messages[0].name holds the control"),
+    ('{"messages": [{"role": "user", "content": "del\\u007fhere"}]}', "messages[0].content holds the control character U+007F"),
     ('{"messages": [], "kwargs": {"response_format": {"type": "json_schema", "json_schema": {"x": "\\u0001"}}}}',
      "kwargs.response_format.json_schema.x"),
     ('{"messages": [{"role": "user", "content": "raw\x00nul"}]}', "stdin is not JSON"),
