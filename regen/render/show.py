@@ -11,7 +11,8 @@ turn supervised); `--pretty`: the text with supervised spans between ⟦ ⟧ (gr
 Input policy (issue #11 points 6, 14): stdin must be UTF-8 JSON whose strings hold characters only. Invalid UTF-8,
 a lone surrogate (`"\ud800"`), a C0 control character other than tab, LF and CR, or DEL (NUL included, raw or
 escaped; the select filter's rule, `filters.prompt.CONTROL_CHARS`), or nesting deeper than MAX_DEPTH levels is
-an InputError naming the place (line/column, or the JSON path such as `messages[0].content`): exit 2 with a message, never a traceback and never replacement characters.
+an InputError naming the place (line/column, or the JSON path such as `messages[0].content`): exit 2 with a
+message, never a traceback and never replacement characters.
 
 With Kimi-K3, a conversation the reference renders but a training row must not contain (roles out of order, a tool
 result without a matching call, ...) is rendered as the reference does, and each problem is reported on stderr
