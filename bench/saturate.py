@@ -1,6 +1,6 @@
 """Benchmark `generate.max_in_flight: auto` against the best fixed concurrency, side by side in one run.
 
-    python -P bench/saturate.py [--quick] [--skip-embedded] [--seconds S] [--slots N] [--levels 4,8,16,...]
+    python -P bench/saturate.py [--quick] [--skip-embedded | --only-embedded] [--seconds S] [--slots N] [--levels 4,8,16,...]
 
 For each target, sweep fixed concurrencies (a closed loop of C requests always in flight through
 `regen.generate.client.ChatClient` for S seconds each), take the one with the most output tokens/s as the best,
@@ -10,8 +10,9 @@ then run `auto` (the same client with `ConcurrencyController` per endpoint) for 
                  beyond, ITL growing with the batch, long-tailed answers of reasoning + content (no /metrics: the
                  controller sees only throughput, TTFT, 429/503)
   slots+metrics  the same server exposing vLLM's /metrics gauges (running, waiting, KV cache usage)
-  embedded       the local profile's embedded target (`regen.serve.server.EmbeddedTarget`, transformers serve on
-                 CPU); slow here (about 1 minute per level): --skip-embedded leaves it out
+  embedded       the local profile's embedded target (`regen.serve.server.EmbeddedTarget` with the profile's serve
+                 settings and sampling, transformers serve on CPU), 128-token answers; slow here (1 minute per
+                 level, levels 1/4/8/16/32): --skip-embedded leaves it out, --only-embedded runs only it
 
 Printed per run: output tokens/s, p50 latency (s), requests; then per target the ratios auto / best fixed.
 Goals (issue 13): auto >= 0.95x the best fixed concurrency's tokens/s with p50 latency <= 1.5x its p50.
@@ -135,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="test server only, short runs (the test suite's mode)")
     p.add_argument("--skip-embedded", action="store_true", help="leave out the embedded target (slow on CPU)")
+    p.add_argument("--only-embedded", action="store_true", help="only the embedded target (about 6 minutes)")
     p.add_argument("--seconds", type=float, default=None, help="seconds per run (default 30; quick 2.5)")
     p.add_argument("--slots", type=int, default=32, help="decode slots of the test server")
     p.add_argument("--levels", default=None, help="fixed concurrencies, comma separated")
@@ -150,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     server = {"slots": slots, "itl_s": 0.004, "load_factor": 1.0, "prefill_s": 0.005, "tokens": 48,
               "reasoning_tokens": 48, "length_sigma": 0.6, "log": False}
     results = []
-    for name, extra in (("slots", {}), ("slots+metrics", {"metrics": "vllm"})):
+    for name, extra in () if args.only_embedded else (("slots", {}), ("slots+metrics", {"metrics": "vllm"})):
         proc, url = start_server({**server, **extra})
         try:
             results.append(sweep(name, url, "fake", levels, seconds, 4096, auto))
@@ -158,13 +160,15 @@ def main(argv: list[str] | None = None) -> int:
             proc.terminate()
             proc.wait(10)
     if not (args.quick or args.skip_embedded):
-        from regen.config.serve import ServeConfig
-        from regen.serve.server import EmbeddedTarget
+        from regen.config import load_profile
+        from regen.serve.server import EmbeddedTarget, sampling
 
+        local = load_profile("local")  # the main job's server settings and sampling
         emb_auto = ConcurrencyConfig(initial=2, max=32, min_window_s=5.0, metrics_poll_s=2.0, min_samples=8)
-        with EmbeddedTarget(ServeConfig()) as target:
-            results.append(sweep("embedded", target.base_url, target.model, [1, 4, 8, 16], max(seconds, 60.0), 32,
-                                 emb_auto))
+        with EmbeddedTarget(local.serve, sampling=sampling(local.generate)) as target:
+            # 128-token answers: the main job's answers are longer still (p50 245 tokens), so decode dominates
+            results.append(sweep("embedded", target.base_url, target.model, [1, 4, 8, 16, 32], max(seconds, 60.0),
+                                 128, emb_auto))
     print("SUMMARY " + json.dumps(results), flush=True)
     return 0
 

@@ -54,13 +54,14 @@ def step_generate(generate: GenerateConfig, serve: ServeConfig, run: RunDir, *, 
 
     if not serve.enabled:
         return run_generate(generate, run, progress=progress)
-    from regen.serve.server import EmbeddedTarget
+    from regen.serve.server import EmbeddedTarget, sampling
 
     served = generate.model_copy(update={"model": EmbeddedTarget(serve).model})
     if generation_complete(served, run):  # nothing left to ask: no server start (a rerun of a finished run)
         return run_generate(served, run, progress=progress)
 
-    with EmbeddedTarget(serve, log_path=run.root / "serve" / "server.log") as target:
+    # the warm-up request fixes the server's sampling for every request (regen.serve.server: module docstring)
+    with EmbeddedTarget(serve, log_path=run.root / "serve" / "server.log", sampling=sampling(generate)) as target:
         log(f"embedded target {target.model} ready at {target.base_url} in {target.ready_s:.0f}s (pid {target.pid})")
         from regen.preflight import check_started_endpoint
 

@@ -154,18 +154,19 @@ def _cell(value):
     return f"{value:.4g}" if isinstance(value, float) else value
 
 
+def _flat(prefix: str, value) -> list[tuple[str, object]]:
+    """(measure, value) pairs of one count: a dict, at any depth, one pair per leaf (`counts: dropped: language`)."""
+    if isinstance(value, dict):
+        return [pair for k, v in value.items() for pair in _flat(f"{prefix}: {k}", v)]
+    return [] if value in (None, []) else [(prefix, _cell(value))]
+
+
 def stage_table(counts: dict) -> Table:
-    """`stage_counts` as rows of (stage, measure, value): one row per count, a dict count (e.g.
-    `failures_by_class`) one row per key as `failures_by_class: empty_content`. Empty values are left out."""
-    rows = []
-    for stage, c in counts.items():
-        for key, value in c.items():
-            if value in (None, {}, []):
-                continue
-            if isinstance(value, dict):
-                rows += [(stage, f"{key}: {k}", _cell(v)) for k, v in value.items()]
-            else:
-                rows.append((stage, key, _cell(value)))
+    """`stage_counts` as rows of (stage, measure, value): one row per count; a dict count (e.g.
+    `failures_by_class`, or the filter's `counts` holding `dropped`) one row per leaf, its keys joined as
+    `failures_by_class: empty_content`, `counts: dropped: repetition`. Empty values are left out."""
+    rows = [(stage, measure, value) for stage, c in counts.items() for key, v in c.items()
+            for measure, value in _flat(key, v)]
     return ["stage", "measure", "value"], rows
 
 

@@ -204,6 +204,25 @@ def locate_gguf(spec: TargetModel, work_dir: Path) -> Path:
     return check_sha256(path, spec.sha256, spec)
 
 
+# The model's generation defaults, as instruct checkpoints on the Hub ship them: `do_sample` on, so a request's
+# `temperature` > 0 samples (with its `top_p`) and `temperature: 0` is greedy. Without `do_sample`, transformers
+# serve decodes greedily whatever the request's temperature (it only turns sampling *off* for temperature 0).
+SAMPLING_DEFAULTS = {"do_sample": True, "temperature": 1.0, "top_p": 1.0}
+
+
+def _generation_config(tokenizer_or_dir, spec: TargetModel):
+    """The GenerationConfig saved with the model: special ids (end of turn among the EOS ids) + SAMPLING_DEFAULTS.
+    `tokenizer_or_dir` is a tokenizer or a prepared model directory (whose tokenizer is read)."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    tok = tokenizer_or_dir
+    if isinstance(tok, (str, Path)):
+        tok = AutoTokenizer.from_pretrained(tok)
+    eos = sorted({tok.eos_token_id, spec.end_of_turn_id})
+    return GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=eos, pad_token_id=tok.pad_token_id,
+                            **SAMPLING_DEFAULTS)
+
+
 def _write_tokenizer(tokenizer, spec: TargetModel, out: Path) -> None:
     tokenizer.chat_template = spec.chat_template
     tokenizer.save_pretrained(out)
@@ -224,20 +243,25 @@ def prepare_model(model: str = DEFAULT_MODEL, out: str | Path | None = None, *, 
     out = Path(out) if out else spec.out
     marker = out / MARKER
     state = json.loads(marker.read_text()) if marker.exists() and not force else None
-    if state and state.get("template_sha256") == spec.template_sha256():
+    if (state and state.get("template_sha256") == spec.template_sha256()
+            and state.get("generation") == SAMPLING_DEFAULTS):
         return out
     from transformers import AutoTokenizer
 
     if state and (out / "model.safetensors").exists():
-        log(f"prepare_model: chat template changed, rewriting the tokenizer in {out}")
-        tok = AutoTokenizer.from_pretrained(out)
-        _write_tokenizer(tok, spec, out)
-        state["template_sha256"] = spec.template_sha256()
+        if state.get("template_sha256") != spec.template_sha256():
+            log(f"prepare_model: chat template changed, rewriting the tokenizer in {out}")
+            _write_tokenizer(AutoTokenizer.from_pretrained(out), spec, out)
+            state["template_sha256"] = spec.template_sha256()
+        if state.get("generation") != SAMPLING_DEFAULTS:
+            log(f"prepare_model: generation defaults changed, rewriting {out / 'generation_config.json'}")
+            _generation_config(out, spec).save_pretrained(out)
+            state["generation"] = SAMPLING_DEFAULTS
         marker.write_text(json.dumps(state, indent=1))
         return out
 
     import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoModelForCausalLM
 
     t0 = time.time()
     work_dir = out.parent / f".gguf-{spec.name}"
@@ -254,11 +278,7 @@ def prepare_model(model: str = DEFAULT_MODEL, out: str | Path | None = None, *, 
     if getattr(model_obj.config, "quantization_config", None) is not None:
         del model_obj.config.quantization_config
     model_obj.config.architectures = [type(model_obj).__name__]
-    model_obj.generation_config = GenerationConfig(
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=sorted({tok.eos_token_id, spec.end_of_turn_id}),
-        pad_token_id=tok.pad_token_id,
-    )
+    model_obj.generation_config = _generation_config(tok, spec)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model_obj.save_pretrained(tmp, safe_serialization=True)
@@ -269,7 +289,7 @@ def prepare_model(model: str = DEFAULT_MODEL, out: str | Path | None = None, *, 
     cfg_path.write_text(json.dumps(cfg, indent=2))
     (tmp / MARKER).write_text(json.dumps(
         {"source": spec.gguf, "package": spec.package, "source_sha256": spec.sha256,
-         "template_sha256": spec.template_sha256()}, indent=1))
+         "template_sha256": spec.template_sha256(), "generation": SAMPLING_DEFAULTS}, indent=1))
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     shutil.rmtree(work_dir, ignore_errors=True)

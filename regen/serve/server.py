@@ -10,8 +10,12 @@ name (`smollm2-135m`): the server is pinned to it and answers 400 to any other `
 What the server does with a request (transformers 5.24, measured; README "The embedded target"):
 - honours `max_tokens` / `max_completion_tokens` per request, `stop` (as stop strings), streaming with `usage`
   in the last chunk; `finish_reason` is `stop` or `length`.
-- sampling (`temperature`, `top_p`) is shared by the whole continuous batch and fixed by its first request;
-  with the model's generation config (`do_sample` unset) decoding is greedy, so outputs are deterministic.
+- sampling (`temperature`, `top_p`) is shared by the whole continuous batch and fixed by its *first* request
+  (`transformers.cli.serving.utils.CBGenerateManager`); later requests' values are ignored. So the warm-up request
+  carries the run's sampling (`EmbeddedTarget(cfg, sampling=...)`; `regen run` passes `generate.temperature` and
+  `generate.top_p`), and every request of the run carries the same. The prepared model's generation config has
+  `do_sample: true` (regen.serve.prepare_model.SAMPLING_DEFAULTS): temperature > 0 samples, 0 is greedy
+  (deterministic). `frequency_penalty` (repetition penalty) is dropped under continuous batching.
 - returns no `reasoning_content` (neither embedded model produces it) and no token ids; unknown body fields (e.g. `return_token_ids`,
   `thinking`) are rejected with 422.
 
@@ -70,6 +74,11 @@ def server_command(cfg: ServeConfig, model_name: str, port: int) -> list[str]:
     return cmd + list(cfg.extra_args)
 
 
+def sampling(generate) -> dict:
+    """The sampling fields of a GenerateConfig that fix the served batch's sampling (module docstring)."""
+    return {"temperature": generate.temperature, "top_p": generate.top_p}
+
+
 class EmbeddedTarget:
     """Context manager: the embedded target server on loopback.
 
@@ -81,10 +90,13 @@ class EmbeddedTarget:
     when the server exits or is not ready within `cfg.ready_timeout_s`.
     """
 
-    def __init__(self, cfg: ServeConfig, *, log_path: str | Path | None = None, stop_timeout_s: float = 15.0):
+    def __init__(self, cfg: ServeConfig, *, log_path: str | Path | None = None, stop_timeout_s: float = 15.0,
+                 sampling: dict | None = None):
         from regen.config import resolve_path
 
         self.cfg = cfg
+        # the batch's sampling, fixed by the warm-up request (module docstring); greedy unless given
+        self.sampling = {"temperature": 0.0, **(sampling or {})}
         self.model_dir = resolve_path(cfg.model_dir)
         self.model = self.model_dir.name
         self.log_path = Path(log_path) if log_path else Path(tempfile.mkdtemp(prefix="regen-serve-")) / "server.log"
@@ -120,7 +132,7 @@ class EmbeddedTarget:
                 if attempt == 1 or self.cfg.port:
                     raise
         if self.cfg.warmup:
-            self.chat([{"role": "user", "content": "Hello"}], max_tokens=1)
+            self.chat([{"role": "user", "content": "Hello"}], max_tokens=1, **self.sampling)
         self.ready_s = time.monotonic() - t0
         return self
 
@@ -164,7 +176,7 @@ class EmbeddedTarget:
         """One non-streaming chat completion (for warm-up and checks). Returns the response JSON."""
         import httpx
 
-        body = {"model": self.model, "messages": messages, "temperature": 0, **params}
+        body = {"model": self.model, "messages": messages, **self.sampling, **params}
         r = httpx.post(self.base_url + "/chat/completions", json=body, timeout=self.cfg.ready_timeout_s)
         if r.status_code != 200:
             raise TargetStartError(self._failure(f"answered {r.status_code} to a chat request: {r.text[:500]}"))
@@ -222,7 +234,7 @@ def main(args) -> int:
 
     profile = load_profile(args.profile, args.overrides)
     cfg = profile.serve if args.port is None else profile.serve.model_copy(update={"port": args.port})
-    with EmbeddedTarget(cfg, log_path=args.log) as target:
+    with EmbeddedTarget(cfg, log_path=args.log, sampling=sampling(profile.generate)) as target:
         info = {"base_url": target.base_url, "model": target.model, "pid": target.pid,
                 "log": str(target.log_path), "ready_s": round(target.ready_s, 1)}
         print(json.dumps(info), flush=True)

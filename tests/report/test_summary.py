@@ -35,6 +35,16 @@ def test_stage_table_has_one_row_per_count_and_per_dict_key():
     assert summary.stage_table({}) == (["stage", "measure", "value"], [])
 
 
+def test_stage_table_flattens_nested_counts_no_dict_printed():
+    """The filter stage's counts hold a dict inside a dict (`counts: {dropped: {...}}`): one row per leaf."""
+    counts = {"filter": {"counts": {"rows": 148, "kept": 113, "dropped": {"language": 4, "repetition": 29}},
+                         "by_filter": {}}}
+    _, rows = summary.stage_table(counts)
+    assert rows == [("filter", "counts: rows", 148), ("filter", "counts: kept", 113),
+                    ("filter", "counts: dropped: language", 4), ("filter", "counts: dropped: repetition", 29)]
+    assert not any(isinstance(v, (dict, list)) or "{" in str(v) for _, _, v in rows)
+
+
 def test_finish_mix_counts_answers_only(tmp_path):
     con = summary.connect(make_run(tmp_path))
     cols, rows = summary.finish_table(con)

@@ -90,6 +90,19 @@ def test_unknown_fields_are_rejected(target):
     assert httpx.post(target.base_url + "/chat/completions", json=body, timeout=60).status_code == 422
 
 
+@pytest.mark.slow
+def test_the_warm_up_fixes_the_run_s_sampling(model_dir, tmp_path):
+    """transformers serve fixes one sampling for its whole continuous batch from the first request: the warm-up
+    carries the run's (`sampling=`), so a sampled run samples (the greedy fixture above repeats itself exactly)."""
+    body = {"messages": [{"role": "user", "content": "Write one sentence about the sea."}], "max_tokens": 24,
+            "temperature": 1.0}
+    with EmbeddedTarget(ServeConfig(cb_num_blocks=16, cb_max_batch_tokens=256), log_path=tmp_path / "log",
+                        sampling={"temperature": 1.0, "top_p": 1.0}) as t:
+        assert t.sampling == {"temperature": 1.0, "top_p": 1.0}
+        texts = {t.chat(**body)["choices"][0]["message"]["content"] for _ in range(4)}
+    assert len(texts) > 1, texts  # four identical 24-token answers under sampling at T=1: not plausible
+
+
 CHILD = """
 import sys, time
 from regen.config.serve import ServeConfig

@@ -48,3 +48,32 @@ def test_templates_differ_per_model_and_the_marker_tracks_them():
     assert pm.template_sha256("smollm2-135m") != pm.template_sha256("gemma3-270m")
     assert pm.CHAT_TEMPLATE == pm.GEMMA.chat_template  # the historical name (tests/render use Gemma-style turns)
     assert "{% generation %}" in pm.CHATML_TEMPLATE.replace("{%- generation -%}", "{% generation %}")
+
+
+def test_generation_defaults_sample_and_a_changed_default_rewrites_only_that_file(tmp_path, capsys):
+    """The prepared model samples when a request asks for temperature > 0 (do_sample on, as Hub instruct checkpoints
+    ship it); a directory prepared before that default is brought up to date without reloading the GGUF."""
+    import json
+    import shutil
+
+    from regen.config import resolve_path
+    from regen.config.serve import ServeConfig
+
+    src = resolve_path(ServeConfig().model_dir)
+    out = tmp_path / "smollm2-135m"
+    out.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "config.json"):
+        if (src / name).exists():
+            shutil.copy(src / name, out / name)
+    (out / "model.safetensors").write_bytes(b"weights stand-in")  # never read: only the generation config changes
+    state = {"source": pm.SMOLLM2.gguf, "template_sha256": pm.SMOLLM2.template_sha256()}  # an older marker
+    (out / pm.MARKER).write_text(json.dumps(state))
+    pm.prepare_model("smollm2-135m", out, log=print)
+    assert "generation defaults changed" in capsys.readouterr().out
+    gen = json.loads((out / "generation_config.json").read_text())
+    assert gen["do_sample"] is True and gen["temperature"] == 1.0 and gen["top_p"] == 1.0
+    assert pm.SMOLLM2.end_of_turn_id in gen["eos_token_id"]
+    assert json.loads((out / pm.MARKER).read_text())["generation"] == pm.SAMPLING_DEFAULTS
+    assert (out / "model.safetensors").read_bytes() == b"weights stand-in"
+    pm.prepare_model("smollm2-135m", out, log=print)  # idempotent: nothing to do now
+    assert capsys.readouterr().out == ""
