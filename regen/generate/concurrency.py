@@ -26,17 +26,31 @@ needs `min_samples`, so the ramp costs a few turnovers), first match wins:
    et al. 2016), with TCP's slow start then additive increase: while a step up raises tokens/s by at least
    `min_gain`, step up again (x2 in slow start, then + step); a step that did not pay is undone (back to the
    best limit; slow start ends) and probing pauses for `HOLD_WINDOWS` windows. A queue guard, as TCP Vegas's
-   BaseRTT: when the window's p50 time to first token exceeds `latency_tolerance` x the lowest TTFT seen and
-   that excess is over 10% of the p50 latency (queueing, not jitter), limit -= step; in slow start (the doubling
+   BaseRTT: when the window's p50 time to first token exceeds `latency_tolerance` x the reference TTFT and that
+   excess is over 10% of the p50 latency (queueing, not jitter), limit -= step; in slow start (the doubling
    overshot) the limit goes down to the requests the server was serving, limit x (1 - mean queue wait / mean
-   latency) by Little's law, not below the last limit that paid, and slow start ends. The base is the lowest
-   single TTFT seen (not a window's p50), so a start above the server's capacity still finds the unqueued TTFT.
+   latency) by Little's law (wait: TTFT - reference), not below the last limit that paid, and slow start ends.
+   The reference is what the server's batching costs: the p50 TTFT of slow start's last window that paid, fixed
+   once slow start ends (so additive steps cannot carry a queue into it); the first window, with no gain to show,
+   is read against the lowest single TTFT in it, so a start above the server's capacity still finds the
+   unqueued TTFT.
+   A gain excuses a queue. On a continuous-batching server bound by its compute (transformers serve on 2 CPU
+   cores) TTFT and latency grow with the batch, every request sharing the compute, with no queue, while tokens/s
+   still grows by far more than `min_gain`; a guard against the lowest TTFT ever seen backed off there (2 -> 4
+   -> 8 -> 16 -> 8: 0.67x the best fixed concurrency's tokens/s). So a window whose tokens/s grew by `min_gain`
+   over the best is not backed off: latency that buys throughput is batching. A gain seen with a queue must be
+   clear of the noise (2 standard errors of the two windows' tokens/s, each cv of answer lengths / sqrt(answers))
+   and hold in a second window at the same limit (the first after a change counts the answers of the cohort
+   before it: on the test server a doubling past its slots read +24% for a queue that bought nothing); else the
+   window is one without a gain. A window without a gain whose TTFT grew (a plateau where latency still grows:
+   a queue) is backed off as before.
 
 step = max(1, limit / 8). A window where the limit never bound (fewer requests to send than the limit: the
 client, not the server, was the bottleneck) decides nothing, so the limit does not grow past what is used.
 """
 from __future__ import annotations
 
+import math
 import statistics
 
 from regen.config.generate import ConcurrencyConfig
@@ -58,7 +72,10 @@ class ConcurrencyController:
         self.hold = 0
         self.best_rate: float | None = None  # output tokens/s of the best window
         self.best_limit = cfg.initial
+        self.best_se = 0.0  # relative standard error of best_rate
         self.base_ttft: float | None = None  # lowest single TTFT seen (BaseRTT of TCP Vegas)
+        self.paid_ttft: float | None = None  # p50 TTFT of slow start's last gain: the batch that paid for it
+        self.confirming = False  # a gain came with a queue: the next window at this limit must gain too
         self.p50_latency: float | None = None
         self.history: list[tuple[float, int, str]] = [(now, self.limit, "initial")]
         self._new_window(now, settle=False)
@@ -83,6 +100,7 @@ class ConcurrencyController:
         elif error_class is None:
             self._samples += 1
             self._tokens += output_tokens
+            self._tokens_sq += output_tokens * output_tokens
             if latency_s is not None:
                 self._latencies.append(latency_s)
             if ttft_s is not None:
@@ -106,7 +124,7 @@ class ConcurrencyController:
         wait = self._min_window() if settle else 0.0
         self._settle_until = now + wait
         self._t0 = now + wait
-        self._samples = self._tokens = self._overloads = 0
+        self._samples = self._tokens = self._tokens_sq = self._overloads = 0
         self._peak = 0
         self._latencies: list[float] = []
         self._ttfts: list[float] = []
@@ -159,24 +177,42 @@ class ConcurrencyController:
     def _decide_climb(self, now: float, elapsed: float) -> bool:
         rate = self._tokens / max(1e-9, elapsed)
         ttft = _median(self._ttfts)
+        se = self._rate_se()
         self._remember_latency()
         if self._ttfts and (self.base_ttft is None or min(self._ttfts) < self.base_ttft):
             self.base_ttft = min(self._ttfts)  # the lowest single TTFT: a request that found a free slot
         if not self._binds():
             return self._set(now, self._limit, "not binding")
-        queued = (ttft is not None and self.base_ttft is not None and self.p50_latency
-                  and ttft > self.cfg.latency_tolerance * self.base_ttft
-                  and ttft - self.base_ttft > 0.1 * self.p50_latency)
+        first = self.best_rate is None
+        gain = 0.0 if first else rate / self.best_rate - 1
+        gained = first or gain >= self.cfg.min_gain
+        # a queue is TTFT beyond what the batch that paid cost (the first window has no gain to show: the lowest
+        # single TTFT in it)
+        ref = self.base_ttft if first else self.paid_ttft
+        queued = (ttft is not None and ref is not None and self.p50_latency
+                  and ttft > self.cfg.latency_tolerance * ref and ttft - ref > 0.1 * self.p50_latency)
+        if queued and gained and not first:
+            # batching (latency that buys throughput) or noise over a queue: the gain excuses the queue when it is
+            # clear of the two windows' noise and holds in a second window at this limit (the first after a change
+            # counts answers of the cohort before it)
+            if gain < 2 * math.hypot(se, self.best_se):
+                gained = False
+            elif not self.confirming:
+                return self._set(now, self._limit, f"{rate:.0f} tok/s gained, queued: confirming", confirm=True)
+            else:
+                queued = False
         if queued and self.limit > self.cfg.min:
             # slow start overshot: down to the requests the server was serving (not below the last limit that
             # paid), else one step down
-            down = max(self.best_limit, self._serving()) if self.slow_start else self._limit - self._step()
+            down = max(self.best_limit, self._serving(ref)) if self.slow_start else self._limit - self._step()
             self.slow_start = False
-            if self.best_rate is None or rate >= self.best_rate * (1 + self.cfg.min_gain):
-                self.best_rate, self.best_limit = rate, int(down)  # the queue holds what the step gained
+            if first:  # the queue holds what the initial limit gained
+                self.best_rate, self.best_limit, self.best_se, self.paid_ttft = rate, int(down), se, ref
             return self._set(now, down, f"ttft {ttft:.3g}s queued", hold=True)
-        if self.best_rate is None or rate >= self.best_rate * (1 + self.cfg.min_gain):
-            self.best_rate, self.best_limit = rate, self.limit
+        if gained:
+            if self.slow_start or self.paid_ttft is None:  # after slow start, additive steps move it no more
+                self.paid_ttft = ttft
+            self.best_rate, self.best_limit, self.best_se = rate, self.limit, se
             up = self._limit * 2 if self.slow_start else self._limit + self._step()
             return self._set(now, up, f"{rate:.0f} tok/s gained")
         if self.slow_start and self._samples < self.cfg.min_samples:
@@ -186,17 +222,25 @@ class ConcurrencyController:
             return self._set(now, self.best_limit, f"{rate:.0f} tok/s no gain", hold=True)
         # at (or below) the best limit: track the server's current rate, probe again after the hold
         self.best_rate, self.best_limit = 0.5 * (self.best_rate + rate), self.limit
+        self.best_se = 0.5 * math.hypot(self.best_se, se)
         if self.hold > 0:
             self.hold -= 1
             return self._set(now, self._limit, "hold")
         return self._set(now, self._limit + self._step(), "probe")
 
-    def _serving(self) -> float:
+    def _rate_se(self) -> float:
+        """Relative standard error of the window's tokens/s from the spread of its answers' lengths, cv / sqrt(n)."""
+        if self._samples < 2 or not self._tokens:
+            return 0.0
+        mean = self._tokens / self._samples
+        return math.sqrt(max(0.0, self._tokens_sq / self._samples / mean**2 - 1) / self._samples)
+
+    def _serving(self, ref: float | None) -> float:
         """Requests the server was serving, by Little's law: the window's limit x the share of a request's time
-        not spent queued, 1 - mean(TTFT - base TTFT) / mean latency (the queue holds the rest)."""
-        if not self._ttfts or not self._latencies or self.base_ttft is None:
+        not spent queued, 1 - mean(TTFT - ref) / mean latency (the queue holds the rest; ref: the unqueued TTFT)."""
+        if not self._ttfts or not self._latencies or ref is None:
             return self._limit - self._step()
-        wait = max(0.0, statistics.fmean(self._ttfts) - self.base_ttft)
+        wait = max(0.0, statistics.fmean(self._ttfts) - ref)
         return self._limit * max(0.0, 1 - wait / max(1e-9, statistics.fmean(self._latencies)))
 
     def _remember_latency(self) -> None:
@@ -204,8 +248,9 @@ class ConcurrencyController:
         if p50 is not None:
             self.p50_latency = p50
 
-    def _set(self, now: float, value: float, reason: str, hold: bool = False) -> bool:
+    def _set(self, now: float, value: float, reason: str, hold: bool = False, confirm: bool = False) -> bool:
         old = self.limit
+        self.confirming = confirm
         self._limit = min(float(self.cfg.max), max(float(self.cfg.min), value))
         if hold:
             self.hold = HOLD_WINDOWS

@@ -89,9 +89,9 @@ def test_a_queue_that_ends_slow_start_goes_down_to_what_the_server_was_serving(t
     ctl = ConcurrencyController(cfg(initial=16), now=0.0)
     t = window(ctl, 0.0, tokens_per_s=400, ttft=0.01, latency=1.0)  # base TTFT 0.01 s; 16 paid: doubled
     assert ctl.limit == 32 and ctl.slow_start
-    # at 32 the mean TTFT holds (ttft - 0.01) s of queue in a 1 s request: 32 x (1 - wait) were being served,
-    # never below 16, the last limit that paid
-    window(ctl, t, tokens_per_s=800, ttft=ttft, latency=1.0)
+    # at 32 no gain, and the mean TTFT holds (ttft - 0.01) s of queue in a 1 s request: 32 x (1 - wait) were
+    # being served, never below 16, the last limit that paid
+    window(ctl, t, tokens_per_s=410, ttft=ttft, latency=1.0)
     assert ctl.limit == expected and not ctl.slow_start and "queued" in ctl.history[-1][2]
 
 
