@@ -16,15 +16,16 @@ def cfg(**kw) -> ConcurrencyConfig:
 
 
 def window(ctl: ConcurrencyController, t: float, *, tokens_per_s: float, ttft: float = 0.01, latency: float = 0.5,
-           n: int | None = None, binding: bool = True) -> float:
-    """Feed one full window of completions starting at t (after the settle time); returns the end time."""
+           n: int | None = None, binding: bool = True, spread: float = 0.0) -> float:
+    """Feed one full window of completions starting at t (after the settle time); returns the end time. Answer
+    lengths alternate mean x (1 +- spread): their coefficient of variation is `spread`."""
     t = max(t, ctl._settle_until)
     n = n or max(ctl.cfg.min_samples, ctl.limit)
     duration = max(ctl.cfg.min_window_s, latency) * 1.01
     ctl.on_start(ctl.limit if binding else max(0, ctl.limit - 2))
     for i in range(n):
         ctl.on_done(t + duration * (i + 1) / n, latency_s=latency, ttft_s=ttft,
-                    output_tokens=round(tokens_per_s * duration / n))
+                    output_tokens=round(tokens_per_s * duration / n * (1 + spread * (-1) ** i)))
     return t + duration
 
 
@@ -182,6 +183,88 @@ def test_ttft_jitter_below_a_tenth_of_the_latency_is_not_a_queue():
     limit = ctl.limit
     window(ctl, t, tokens_per_s=1000, ttft=0.02, latency=1.0)  # 10x, but 18 ms of a 1 s request
     assert "queued" not in ctl.history[-1][2] and ctl.limit <= limit
+
+
+# ---------------------------------------------------------------- synthetic servers: one window per decision
+
+
+def batching_server(c: int, cap: int = 32, tokens: int = 128) -> tuple[float, float, float]:
+    """A CPU-bound continuous-batching server (after the embedded target, transformers serve on 2 cores): a decode
+    step of the batch takes 48 ms + 3 ms x batch, every request sharing the compute; newcomers' prompts are
+    prefilled one after another between steps (0.1 s each at batch 1, slower as the batch grows), so TTFT grows
+    faster than the batch; at most `cap` in the batch, a queue beyond. Tokens/s grows sublinearly to a plateau at
+    `cap`. Returns (output tokens/s, TTFT s, latency s) with c requests in flight (closed loop: Little's law)."""
+    b = min(c, cap)
+    step = 0.048 + 0.003 * b
+    decode = tokens * step
+    latency = (0.1 * b * step / 0.051 + decode) * c / b
+    return c * tokens / latency, latency - decode, latency
+
+
+def slots_server(c: int, slots: int = 32, tokens: int = 96) -> tuple[float, float, float]:
+    """The test server's capacity model (`regen.testing.capacity`, as `bench/saturate.py` runs it): `slots` decode
+    slots at 4 ms x (1 + running / slots) per token after a 5 ms prefill, a FIFO queue beyond."""
+    b = min(c, slots)
+    service = 0.005 + tokens * 0.004 * (1 + b / slots)
+    latency = service * c / b
+    return c * tokens / latency, latency - service + 0.005, latency
+
+
+def drive(ctl: ConcurrencyController, server, num_windows: int, t: float = 0.0) -> tuple[float, list[int]]:
+    """One window per decision at the server's figures for the current limit; returns (end time, limits after each)."""
+    limits = []
+    for _ in range(num_windows):
+        rate, ttft, latency = server(ctl.limit)
+        t = window(ctl, t, tokens_per_s=rate, ttft=ttft, latency=latency)
+        limits.append(ctl.limit)
+    return t, limits
+
+
+def test_a_batching_server_whose_ttft_grows_with_the_batch_is_climbed_to_its_plateau():
+    best = max(batching_server(c)[0] for c in range(1, 129))
+    ctl = ConcurrencyController(cfg(initial=2, max=128, min_samples=8, min_window_s=5.0), now=0.0)
+    _, limits = drive(ctl, batching_server, 40)
+    # each doubling more than doubles TTFT (16 -> 32: 3.0 s -> 9.0 s) but gains tokens/s: not a queue, slow start
+    # goes on to 64, where the queue beyond the batch gains nothing and Little's law brings it back to 32
+    assert [h[1] for h in ctl.history[:7]] == [2, 4, 8, 16, 32, 64, 32], ctl.history
+    assert "queued" in ctl.history[6][2]
+    tail = limits[-20:]  # the best region of the plateau (within 5% of its tokens/s), not half of it nor the queue
+    assert all(batching_server(c)[0] >= 0.95 * best for c in tail), ctl.history
+    assert max(tail) <= 40 and min(tail) >= 20, ctl.history
+
+
+def test_a_server_with_a_queue_beyond_its_slots_stops_near_them_and_backs_off_a_queue_without_gain():
+    ctl = ConcurrencyController(cfg(initial=4, min_samples=16), now=0.0)
+    t, limits = drive(ctl, slots_server, 40)
+    assert [h[1] for h in ctl.history[:6]] == [4, 8, 16, 32, 64, 32], ctl.history  # 64: all queue, Little's law
+    assert all(30 <= c <= 36 for c in limits[-20:]), ctl.history  # at the slots, never a queue of more than 4
+    # half the slots go to another job: TTFT grows, tokens/s does not: a queue, stepped down to the 16 left
+    num_changes = len(ctl.history)
+    _, limits = drive(ctl, lambda c: slots_server(c, slots=16), 30, t)
+    assert "queued" in ctl.history[num_changes][2] and ctl.history[num_changes][1] < limits[0] + 4
+    assert all(14 <= c <= 20 for c in limits[-10:]), ctl.history
+
+
+@pytest.mark.parametrize("confirmed", [True, False])
+def test_a_gain_seen_with_a_queue_must_hold_a_second_window(confirmed):
+    ctl = ConcurrencyController(cfg(initial=16), now=0.0)
+    t = window(ctl, 0.0, tokens_per_s=400, ttft=0.01, latency=1.0)
+    assert ctl.limit == 32
+    t = window(ctl, t, tokens_per_s=500, ttft=0.5, latency=1.0)  # +25% with half of the latency before the first token
+    assert ctl.limit == 32 and ctl.confirming and ctl.slow_start  # neither backed off nor doubled: measured again
+    window(ctl, t, tokens_per_s=500 if confirmed else 410, ttft=0.5, latency=1.0)
+    if confirmed:  # the batch paid: doubled, and its TTFT is now what the batch costs
+        assert ctl.limit == 64 and ctl.paid_ttft == 0.5
+    else:  # the first window after the change read the earlier cohort's answers: a queue, Little's law
+        assert ctl.limit == 16 and "queued" in ctl.history[-1][2] and not ctl.slow_start
+
+
+def test_a_gain_within_the_noise_does_not_excuse_a_queue():
+    ctl = ConcurrencyController(cfg(initial=16), now=0.0)
+    t = window(ctl, 0.0, tokens_per_s=400, ttft=0.01, latency=1.0, spread=0.8)  # long-tailed answers: cv 0.8
+    # +25% over 32 answers of cv 0.8 after 16 of them: under two standard errors (2 x 0.25 = 0.5): a queue
+    window(ctl, t, tokens_per_s=500, ttft=0.5, latency=1.0, spread=0.8)
+    assert ctl.limit == 16 and "queued" in ctl.history[-1][2] and not ctl.confirming
 
 
 def gauges(ctl, t, running, waiting, cache=None):
