@@ -38,19 +38,18 @@ needs `min_samples`, so the ramp costs a few turnovers), first match wins:
    cores) TTFT and latency grow with the batch, every request sharing the compute, with no queue, while tokens/s
    still grows by far more than `min_gain`; a guard against the lowest TTFT ever seen backed off there (2 -> 4
    -> 8 -> 16 -> 8: 0.67x the best fixed concurrency's tokens/s). So a window whose tokens/s grew by `min_gain`
-   over the best is not backed off: latency that buys throughput is batching. A gain seen with a queue must be
-   clear of the noise (2 standard errors of the two windows' tokens/s, each cv of answer lengths / sqrt(answers))
-   and hold in a second window at the same limit (the first after a change counts the answers of the cohort
-   before it: on the test server a doubling past its slots read +24% for a queue that bought nothing); else the
-   window is one without a gain. A window without a gain whose TTFT grew (a plateau where latency still grows:
-   a queue) is backed off as before.
+   over the best is not backed off when its p50 time per output token after the first also grew by `min_gain`:
+   decoding slowed, so the batch grew, and latency that buys throughput is batching. A queue delays only first
+   tokens; a gain read while decoding went no slower is noise or the turnover (the first window after a doubling
+   counts the answers of the cohort before it: in a simulation of the test server a doubling past its slots read
+   +24% for no gain), and the window counts as one without a gain. A window without a gain whose TTFT grew (a
+   plateau where latency still grows: a queue) is backed off as before.
 
 step = max(1, limit / 8). A window where the limit never bound (fewer requests to send than the limit: the
 client, not the server, was the bottleneck) decides nothing, so the limit does not grow past what is used.
 """
 from __future__ import annotations
 
-import math
 import statistics
 
 from regen.config.generate import ConcurrencyConfig
@@ -72,10 +71,9 @@ class ConcurrencyController:
         self.hold = 0
         self.best_rate: float | None = None  # output tokens/s of the best window
         self.best_limit = cfg.initial
-        self.best_se = 0.0  # relative standard error of best_rate
+        self.best_tpot: float | None = None  # p50 time per output token of the best window (s)
         self.base_ttft: float | None = None  # lowest single TTFT seen (BaseRTT of TCP Vegas)
         self.paid_ttft: float | None = None  # p50 TTFT of slow start's last gain: the batch that paid for it
-        self.confirming = False  # a gain came with a queue: the next window at this limit must gain too
         self.p50_latency: float | None = None
         self.history: list[tuple[float, int, str]] = [(now, self.limit, "initial")]
         self._new_window(now, settle=False)
@@ -100,11 +98,12 @@ class ConcurrencyController:
         elif error_class is None:
             self._samples += 1
             self._tokens += output_tokens
-            self._tokens_sq += output_tokens * output_tokens
             if latency_s is not None:
                 self._latencies.append(latency_s)
             if ttft_s is not None:
                 self._ttfts.append(ttft_s)
+                if latency_s is not None and output_tokens > 1:  # time per output token after the first
+                    self._tpots.append((latency_s - ttft_s) / (output_tokens - 1))
         return self._maybe_decide(now)
 
     def on_gauges(self, now: float, running: float, waiting: float, cache_usage: float | None = None) -> bool:
@@ -124,10 +123,11 @@ class ConcurrencyController:
         wait = self._min_window() if settle else 0.0
         self._settle_until = now + wait
         self._t0 = now + wait
-        self._samples = self._tokens = self._tokens_sq = self._overloads = 0
+        self._samples = self._tokens = self._overloads = 0
         self._peak = 0
         self._latencies: list[float] = []
         self._ttfts: list[float] = []
+        self._tpots: list[float] = []
         self._gauges: list[tuple] = []
 
     def _maybe_decide(self, now: float) -> bool:
@@ -176,8 +176,7 @@ class ConcurrencyController:
 
     def _decide_climb(self, now: float, elapsed: float) -> bool:
         rate = self._tokens / max(1e-9, elapsed)
-        ttft = _median(self._ttfts)
-        se = self._rate_se()
+        ttft, tpot = _median(self._ttfts), _median(self._tpots)
         self._remember_latency()
         if self._ttfts and (self.base_ttft is None or min(self._ttfts) < self.base_ttft):
             self.base_ttft = min(self._ttfts)  # the lowest single TTFT: a request that found a free slot
@@ -192,27 +191,24 @@ class ConcurrencyController:
         queued = (ttft is not None and ref is not None and self.p50_latency
                   and ttft > self.cfg.latency_tolerance * ref and ttft - ref > 0.1 * self.p50_latency)
         if queued and gained and not first:
-            # batching (latency that buys throughput) or noise over a queue: the gain excuses the queue when it is
-            # clear of the two windows' noise and holds in a second window at this limit (the first after a change
-            # counts answers of the cohort before it)
-            if gain < 2 * math.hypot(se, self.best_se):
-                gained = False
-            elif not self.confirming:
-                return self._set(now, self._limit, f"{rate:.0f} tok/s gained, queued: confirming", confirm=True)
-            else:
+            # latency that bought throughput is batching when decoding slowed too (every request shares the
+            # compute); when it did not, the extra requests waited: a queue, and the gain was noise or turnover
+            if self._decode_slowed(tpot):
                 queued = False
+            else:
+                gained = False
         if queued and self.limit > self.cfg.min:
             # slow start overshot: down to the requests the server was serving (not below the last limit that
             # paid), else one step down
             down = max(self.best_limit, self._serving(ref)) if self.slow_start else self._limit - self._step()
             self.slow_start = False
             if first:  # the queue holds what the initial limit gained
-                self.best_rate, self.best_limit, self.best_se, self.paid_ttft = rate, int(down), se, ref
+                self.best_rate, self.best_limit, self.best_tpot, self.paid_ttft = rate, int(down), tpot, ref
             return self._set(now, down, f"ttft {ttft:.3g}s queued", hold=True)
         if gained:
             if self.slow_start or self.paid_ttft is None:  # after slow start, additive steps move it no more
                 self.paid_ttft = ttft
-            self.best_rate, self.best_limit, self.best_se = rate, self.limit, se
+            self.best_rate, self.best_limit, self.best_tpot = rate, self.limit, tpot
             up = self._limit * 2 if self.slow_start else self._limit + self._step()
             return self._set(now, up, f"{rate:.0f} tok/s gained")
         if self.slow_start and self._samples < self.cfg.min_samples:
@@ -222,18 +218,15 @@ class ConcurrencyController:
             return self._set(now, self.best_limit, f"{rate:.0f} tok/s no gain", hold=True)
         # at (or below) the best limit: track the server's current rate, probe again after the hold
         self.best_rate, self.best_limit = 0.5 * (self.best_rate + rate), self.limit
-        self.best_se = 0.5 * math.hypot(self.best_se, se)
         if self.hold > 0:
             self.hold -= 1
             return self._set(now, self._limit, "hold")
         return self._set(now, self._limit + self._step(), "probe")
 
-    def _rate_se(self) -> float:
-        """Relative standard error of the window's tokens/s from the spread of its answers' lengths, cv / sqrt(n)."""
-        if self._samples < 2 or not self._tokens:
-            return 0.0
-        mean = self._tokens / self._samples
-        return math.sqrt(max(0.0, self._tokens_sq / self._samples / mean**2 - 1) / self._samples)
+    def _decode_slowed(self, tpot: float | None) -> bool:
+        """Whether the window's p50 time per output token grew by `min_gain` over the best window's: the batch
+        grew (every request decodes slower when they share the compute), where a queue only delays first tokens."""
+        return tpot is not None and self.best_tpot is not None and tpot >= (1 + self.cfg.min_gain) * self.best_tpot
 
     def _serving(self, ref: float | None) -> float:
         """Requests the server was serving, by Little's law: the window's limit x the share of a request's time
@@ -248,9 +241,8 @@ class ConcurrencyController:
         if p50 is not None:
             self.p50_latency = p50
 
-    def _set(self, now: float, value: float, reason: str, hold: bool = False, confirm: bool = False) -> bool:
+    def _set(self, now: float, value: float, reason: str, hold: bool = False) -> bool:
         old = self.limit
-        self.confirming = confirm
         self._limit = min(float(self.cfg.max), max(float(self.cfg.min), value))
         if hold:
             self.hold = HOLD_WINDOWS
