@@ -42,7 +42,8 @@ needs `min_samples`, so the ramp costs a few turnovers), first match wins:
    decoding slowed, so the batch grew, and latency that buys throughput is batching. A queue delays only first
    tokens; a gain read while decoding went no slower is noise or the turnover (the first window after a doubling
    counts the answers of the cohort before it: in a simulation of the test server a doubling past its slots read
-   +24% for no gain), and the window counts as one without a gain. A window without a gain whose TTFT grew (a
+   +24% for no gain), and the window counts as one without a gain (so does any window of answers not streamed,
+   which have no time per token). A window without a gain whose TTFT grew (a
    plateau where latency still grows: a queue) is backed off as before.
 
 step = max(1, limit / 8). A window where the limit never bound (fewer requests to send than the limit: the
@@ -218,6 +219,7 @@ class ConcurrencyController:
             return self._set(now, self.best_limit, f"{rate:.0f} tok/s no gain", hold=True)
         # at (or below) the best limit: track the server's current rate, probe again after the hold
         self.best_rate, self.best_limit = 0.5 * (self.best_rate + rate), self.limit
+        self.best_tpot = tpot or self.best_tpot
         if self.hold > 0:
             self.hold -= 1
             return self._set(now, self._limit, "hold")
@@ -225,8 +227,9 @@ class ConcurrencyController:
 
     def _decode_slowed(self, tpot: float | None) -> bool:
         """Whether the window's p50 time per output token grew by `min_gain` over the best window's: the batch
-        grew (every request decodes slower when they share the compute), where a queue only delays first tokens."""
-        return tpot is not None and self.best_tpot is not None and tpot >= (1 + self.cfg.min_gain) * self.best_tpot
+        grew (every request decodes slower when they share the compute), where a queue only delays first tokens.
+        False without a time per token (answers not streamed: TTFT is the latency)."""
+        return bool(tpot and self.best_tpot and tpot >= (1 + self.cfg.min_gain) * self.best_tpot)
 
     def _serving(self, ref: float | None) -> float:
         """Requests the server was serving, by Little's law: the window's limit x the share of a request's time

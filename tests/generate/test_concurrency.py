@@ -250,17 +250,21 @@ def test_a_server_with_a_queue_beyond_its_slots_stops_near_them_and_backs_off_a_
     assert all(14 <= c <= 20 for c in limits[-10:]), ctl.history
 
 
-@pytest.mark.parametrize("batching", [True, False])
-def test_a_gain_with_a_queue_is_batching_only_when_decoding_slowed_too(batching):
+@pytest.mark.parametrize("server", ["batching", "queue", "unstreamed"])
+def test_a_gain_with_a_queue_is_batching_only_when_decoding_slowed_too(server):
     ctl = ConcurrencyController(cfg(initial=16), now=0.0)
-    t = window(ctl, 0.0, tokens_per_s=400, ttft=0.01, latency=1.0, tokens=25)  # 41 ms per token after the first
+    first_token = 1.0 if server == "unstreamed" else 0.01  # unstreamed: the first token comes with the answer
+    t = window(ctl, 0.0, tokens_per_s=400, ttft=first_token, latency=1.0, tokens=25)  # 41 ms per token
     assert ctl.limit == 32
     # +25% tokens/s with half of the latency before the first token (50x the TTFT that paid)
-    if batching:  # and every request decodes 17% slower: the batch grew, no queue: doubled
+    if server == "batching":  # and every request decodes 17% slower: the batch grew, no queue: doubled
         window(ctl, t, tokens_per_s=500, ttft=0.5, latency=2.0, tokens=32)
         assert ctl.limit == 64 and ctl.slow_start and ctl.paid_ttft == 0.5
-    else:  # decoding no slower (33 ms): the extra requests waited, and the gain is the turnover: Little's law
+    elif server == "queue":  # decoding no slower (33 ms): the extra requests waited, the gain is the turnover
         window(ctl, t, tokens_per_s=500, ttft=0.5, latency=1.0, tokens=16)
+        assert ctl.limit == 16 and "queued" in ctl.history[-1][2] and not ctl.slow_start
+    else:  # no time per token to tell: the latency guard as before
+        window(ctl, t, tokens_per_s=500, ttft=2.5, latency=2.5, tokens=32)
         assert ctl.limit == 16 and "queued" in ctl.history[-1][2] and not ctl.slow_start
 
 
