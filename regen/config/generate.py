@@ -75,7 +75,7 @@ class ConcurrencyConfig(BaseModel):
     min_window_s: float = 1.0
     min_gain: float = 0.05  # a step up must raise output tokens/s by this fraction to be kept
     backoff: float = 0.7  # multiplicative decrease on 429/503 (AIMD, Chiu & Jain 1989)
-    latency_tolerance: float = 2.0  # no-gauge mode: p50 TTFT above this x the best window's is a queue
+    latency_tolerance: float = 2.0  # no-gauge mode: p50 TTFT above this x the TTFT that last paid is a queue
     metrics: Literal["auto", "off"] = "auto"  # read the server's Prometheus /metrics gauges when it has them
     metrics_poll_s: float = 1.0
     queue_target: float = 0.05  # gauge mode: keep waiting ~ this fraction of running (at least 1, never 0)
