@@ -72,7 +72,7 @@ def test_local_profile_deterministic_by_seed(tmp_path):
         ids = [r[0] for r in query(run.root, "SELECT prompt_id FROM prompts")[1]]
         runs[name] = (m, ids)
     (ma, a), (mb, b), (mc, c) = runs["a"], runs["b"], runs["c"]
-    assert a == b and len(a) == 300 == len(set(a))
+    assert a == b and len(a) == profile.select.total == len(set(a))
     assert set(a) != set(c)
     assert ma["counts"]["category"] == mc["counts"]["category"]
     assert set(ma["counts"]["category"]) == set(CATEGORIES)
