@@ -12,7 +12,9 @@ then run `auto` (the same client with `ConcurrencyController` per endpoint) for 
   slots+metrics  the same server exposing vLLM's /metrics gauges (running, waiting, KV cache usage)
   embedded       the local profile's embedded target (`regen.serve.server.EmbeddedTarget` with the profile's serve
                  settings and sampling, transformers serve on CPU), 128-token answers; slow here (1 minute per
-                 level, levels 1/4/8/16/32): --skip-embedded leaves it out, --only-embedded runs only it
+                 level, levels 1/4/8/16/32; `--only-embedded --seconds 180` is the fair length: each doubling
+                 of auto waits one turnover, 6-20 s on this server): --skip-embedded leaves it out,
+                 --only-embedded runs only it
 
 Printed per run: output tokens/s, p50 latency (s), requests; then per target the ratios auto / best fixed.
 Goals (issue 13): auto >= 0.95x the best fixed concurrency's tokens/s with p50 latency <= 1.5x its p50.
