@@ -210,14 +210,11 @@ def locate_gguf(spec: TargetModel, work_dir: Path) -> Path:
 SAMPLING_DEFAULTS = {"do_sample": True, "temperature": 1.0, "top_p": 1.0}
 
 
-def _generation_config(tokenizer_or_dir, spec: TargetModel):
-    """The GenerationConfig saved with the model: special ids (end of turn among the EOS ids) + SAMPLING_DEFAULTS.
-    `tokenizer_or_dir` is a tokenizer or a prepared model directory (whose tokenizer is read)."""
-    from transformers import AutoTokenizer, GenerationConfig
+def _generation_config(tok, spec: TargetModel):
+    """The GenerationConfig saved with the model: special ids of `tok` (end of turn among the EOS ids) +
+    SAMPLING_DEFAULTS."""
+    from transformers import GenerationConfig
 
-    tok = tokenizer_or_dir
-    if isinstance(tok, (str, Path)):
-        tok = AutoTokenizer.from_pretrained(tok)
     eos = sorted({tok.eos_token_id, spec.end_of_turn_id})
     return GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=eos, pad_token_id=tok.pad_token_id,
                             **SAMPLING_DEFAULTS)
@@ -249,13 +246,14 @@ def prepare_model(model: str = DEFAULT_MODEL, out: str | Path | None = None, *, 
     from transformers import AutoTokenizer
 
     if state and (out / "model.safetensors").exists():
+        tok = AutoTokenizer.from_pretrained(out)
         if state.get("template_sha256") != spec.template_sha256():
             log(f"prepare_model: chat template changed, rewriting the tokenizer in {out}")
-            _write_tokenizer(AutoTokenizer.from_pretrained(out), spec, out)
+            _write_tokenizer(tok, spec, out)
             state["template_sha256"] = spec.template_sha256()
         if state.get("generation") != SAMPLING_DEFAULTS:
             log(f"prepare_model: generation defaults changed, rewriting {out / 'generation_config.json'}")
-            _generation_config(out, spec).save_pretrained(out)
+            _generation_config(tok, spec).save_pretrained(out)
             state["generation"] = SAMPLING_DEFAULTS
         marker.write_text(json.dumps(state, indent=1))
         return out

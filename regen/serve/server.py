@@ -75,8 +75,11 @@ def server_command(cfg: ServeConfig, model_name: str, port: int) -> list[str]:
 
 
 def sampling(generate) -> dict:
-    """The sampling fields of a GenerateConfig that fix the served batch's sampling (module docstring)."""
-    return {"temperature": generate.temperature, "top_p": generate.top_p}
+    """The sampling fields every request of the run sends (`regen.generate.conversation.sampling_params`), less
+    `max_tokens`: what the warm-up must carry to fix the served batch's sampling (module docstring)."""
+    from regen.generate.conversation import sampling_params
+
+    return {k: v for k, v in sampling_params(generate).items() if k != "max_tokens"}
 
 
 class EmbeddedTarget:

@@ -32,6 +32,16 @@ def test_command_line():
     assert "--continuous-batching" not in server_command(ServeConfig(continuous_batching=False), "m", 1)
 
 
+def test_the_warm_up_carries_exactly_the_request_sampling():
+    """The warm-up fixes the batch's sampling, so it sends what every request sends (seed included when set),
+    never the run's max_tokens."""
+    from regen.config.generate import GenerateConfig
+    from regen.serve.server import sampling
+
+    assert sampling(GenerateConfig(temperature=0.7, top_p=0.9, max_tokens=512)) == {"temperature": 0.7, "top_p": 0.9}
+    assert sampling(GenerateConfig(temperature=0.0, top_p=1.0, seed=3)) == {"temperature": 0.0, "top_p": 1.0, "seed": 3}
+
+
 def test_missing_model_names_the_fix(tmp_path):
     with pytest.raises(InputError, match="scripts/setup.sh"):
         EmbeddedTarget(ServeConfig(model_dir=str(tmp_path / "nope"))).start()
