@@ -3,6 +3,7 @@
     .venv/bin/python bench/regen_vs_original.py --run runs/local                 # after the README's first command
     .venv/bin/python bench/regen_vs_original.py --run runs/local --seeds 0,1     # the issue's two seeds
     .venv/bin/python bench/regen_vs_original.py --run runs/local --quick         # a few steps, a few prompts
+    .venv/bin/python bench/regen_vs_original.py --run runs/local --seeds 0,1 --temperature 1.0  # + the paper's T=1
 
 1. The two shard sets of the run: `shards/` (the regenerated answers, `regen render`) and `shards-original/`
    (the sources' own answers, rendered here with the profile's render config when missing:
@@ -15,11 +16,13 @@
 4. Both are measured with the eval stage (`regen.train.eval.run_eval`, spec §7: greedy verification against the
    target, bonus token counted) on the same held-out prompts of the run (`<run>/shards`, the prompts
    `regen eval` measures; neither arm trained on them: `is_heldout` is by prompt id), beside the untrained
-   draft of the same config and seed.
+   draft of the same config and seed. With `--temperature T` the same drafts are also measured under
+   speculative rejection sampling at T (the paper's tables use T = 1; `regen eval --temperature`), reported
+   under `"sampled"` beside the greedy figures, never in their place.
 
 Prints acc_len per arm and per category with the ratios regenerated/original, and writes
 `<run>/regen_vs_original.json`: {"seeds", "untrained": {"acc_len"}, "original": {"acc_len"}, "regenerated":
-{"acc_len"}, "per_seed": [...], "per_category": {...}}; arm figures are means over the seeds. Existing checkpoints
+{"acc_len"}, "per_seed": [...], "per_category": {...}} (+ "sampled": the same at T); arm figures are means over the seeds. Existing checkpoints
 of a finished budget are reused (delete the folder to retrain). The run's own `train/` and `eval.json` are not
 touched.
 """
@@ -111,6 +114,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per arm (default: train.max_steps)")
     p.add_argument("--num-prompts", type=int, default=32, help="held-out prompts (default 32)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="generated tokens per prompt (default 64)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="also measure under rejection sampling at this temperature (the paper's tables: 1.0); "
+                        "default 0: greedy only")
     p.add_argument("--quick", action="store_true",
                    help=f"a smoke run: {QUICK['steps']} steps, {QUICK['num_prompts']} prompts, "
                         f"{QUICK['max_new_tokens']} new tokens (unless given)")
@@ -155,45 +161,70 @@ def main(argv=None) -> int:
             trained[arm] = {"steps": summary["steps"], "train_s": round(time.perf_counter() - t0, 1)}
         ev = run_eval(cfg, run, draft_dir=out / "train-regenerated", seed=seed, num_prompts=args.num_prompts,
                       max_new_tokens=args.max_new_tokens, compare={"original": out / "train-original"},
-                      progress=False, out_path=out / "eval.json")
-        names = {"regenerated": "trained", "original": "original", "untrained": "untrained"}
+                      progress=False, out_path=out / "eval.json", temperature=args.temperature)
         row = {"seed": seed, "num_prompts": ev["num_prompts"], "max_new_tokens": args.max_new_tokens,
-               "num_common_prompts": len(common), "train": trained,
-               **{arm: {"acc_len": ev[key]["acc_len"], "num_rounds": ev[key]["num_rounds"],
-                        "per_category": {c: v["acc_len"] for c, v in ev[key]["per_category"].items()}}
-                  for arm, key in names.items()},
+               "num_common_prompts": len(common), "train": trained, **arm_figures(ev),
                "eval_json": str(out / "eval.json")}
-        row["ratio_regenerated_vs_original"] = row["regenerated"]["acc_len"] / row["original"]["acc_len"]
+        if args.temperature > 0:
+            row["sampled"] = {"temperature": args.temperature, **arm_figures(ev["sampled"])}
         per_seed.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "train"}, indent=2), flush=True)
 
-    def mean(xs):
-        xs = [x for x in xs if x is not None]
-        return sum(xs) / len(xs) if xs else None
+    summary = summarize(per_seed)
+    result = {"seeds": [r["seed"] for r in per_seed], **{a: summary[a] for a in ("untrained", "original", "regenerated")},
+              "per_seed": per_seed, "per_category": summary["per_category"]}
+    if args.temperature > 0:
+        result["sampled"] = {"temperature": args.temperature, **summarize([r["sampled"] for r in per_seed])}
+    write_json_atomic(result, run.root / "regen_vs_original.json")
 
-    arms = ("untrained", "original", "regenerated")
-    cats = sorted({c for r in per_seed for c in r["regenerated"]["per_category"]})
+    print_table("greedy (T = 0)", per_seed, result)
+    if args.temperature > 0:
+        print_table(f"rejection sampling (T = {args.temperature:g})", [{"seed": r["seed"], **r["sampled"]}
+                                                                     for r in per_seed], result["sampled"])
+    print(f"-> {run.root / 'regen_vs_original.json'}")
+    return 0
+
+
+ARM_KEYS = {"regenerated": "trained", "original": "original", "untrained": "untrained"}
+
+
+def arm_figures(ev: dict) -> dict:
+    """{arm: {acc_len, num_rounds, per_category}, ratio_regenerated_vs_original} of one `run_eval` result (its
+    greedy top level, or its `sampled` section)."""
+    out = {arm: {"acc_len": ev[key]["acc_len"], "num_rounds": ev[key]["num_rounds"],
+                 "per_category": {c: v["acc_len"] for c, v in ev[key]["per_category"].items()}}
+           for arm, key in ARM_KEYS.items()}
+    out["ratio_regenerated_vs_original"] = out["regenerated"]["acc_len"] / out["original"]["acc_len"]
+    return out
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Means over seeds: {arm: {acc_len}} and per_category {cat: {arm: acc_len, ratio_regenerated_vs_original}}."""
+    cats = sorted({c for r in rows for c in r["regenerated"]["per_category"]})
     per_category = {}
     for c in cats:
-        entry = {a: mean([r[a]["per_category"].get(c) for r in per_seed]) for a in arms}
+        entry = {a: _mean([r[a]["per_category"].get(c) for r in rows]) for a in ARM_KEYS}
         entry["ratio_regenerated_vs_original"] = (entry["regenerated"] / entry["original"]
                                                   if entry["original"] else None)
         per_category[c] = entry
-    result = {"seeds": [r["seed"] for r in per_seed],
-              **{a: {"acc_len": mean([r[a]["acc_len"] for r in per_seed])} for a in arms},
-              "per_seed": per_seed, "per_category": per_category}
-    write_json_atomic(result, run.root / "regen_vs_original.json")
+    return {**{a: {"acc_len": _mean([r[a]["acc_len"] for r in rows])} for a in ("untrained", "original", "regenerated")},
+            "per_category": per_category}
 
-    print(f"\n{'':<14} {'untrained':>9} {'original':>9} {'regen':>9} {'regen/orig':>10}")
-    for r in per_seed:
+
+def print_table(title: str, rows: list[dict], summary: dict) -> None:
+    print(f"\n{title}\n{'':<14} {'untrained':>9} {'original':>9} {'regen':>9} {'regen/orig':>10}")
+    for r in rows:
         print(f"{'seed ' + str(r['seed']):<14} {r['untrained']['acc_len']:9.3f} {r['original']['acc_len']:9.3f} "
               f"{r['regenerated']['acc_len']:9.3f} {r['ratio_regenerated_vs_original']:10.3f}")
-    for c, e in per_category.items():
-        fmt = lambda x: f"{x:9.3f}" if x is not None else f"{'-':>9}"  # noqa: E731
+    fmt = lambda x: f"{x:9.3f}" if x is not None else f"{'-':>9}"  # noqa: E731
+    for c, e in summary["per_category"].items():
         ratio = f"{e['ratio_regenerated_vs_original']:10.3f}" if e["ratio_regenerated_vs_original"] else f"{'-':>10}"
         print(f"{c:<14} {fmt(e['untrained'])} {fmt(e['original'])} {fmt(e['regenerated'])} {ratio}")
-    print(f"-> {run.root / 'regen_vs_original.json'}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -91,3 +91,29 @@ def test_train_and_eval_on_the_original_set_through_the_cli(tmp_path, tiny_targe
     assert not (run / "eval.json").exists()
     # the regenerated set (the default) has no shards here: an input error naming the fix
     assert cli_main(["train", "--profile", str(profile), "--run", str(run), "--max-steps", "2"]) == 2
+
+
+def test_bench_regen_vs_original_sampled(tmp_path, tiny_target):
+    """--temperature adds the rejection-sampling figures beside the greedy ones (never in their place)."""
+    run = tmp_path / "run"
+    regen, orig = ShardWriter(run), ShardWriter(tmp_path / "orig")
+    rows = make_rows(20, seed=0)
+    regen.add(rows, complete=True)
+    orig.add(_original_rows(rows, 10), complete=True)
+    shutil.move(str(tmp_path / "orig" / "shards"), str(run / "shards-original"))
+    profile = write_profile(tmp_path / "tiny.yaml", tiny_target, heldout_fraction=0.3)
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": str(root)}
+    proc = subprocess.run([sys.executable, str(root / "bench" / "regen_vs_original.py"), "--run", str(run),
+                           "--profile", str(profile), "--quick", "--temperature", "1.0"],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads((run / "regen_vs_original.json").read_text())
+    assert list(out) == ["seeds", "untrained", "original", "regenerated", "per_seed", "per_category", "sampled"]
+    (s,) = out["per_seed"]
+    ev = json.loads(Path(s["eval_json"]).read_text())
+    assert s["regenerated"]["acc_len"] == ev["trained"]["acc_len"]  # the greedy figures stay the top level
+    assert s["sampled"]["temperature"] == 1.0
+    for arm, key in (("regenerated", "trained"), ("original", "original"), ("untrained", "untrained")):
+        assert s["sampled"][arm]["acc_len"] == ev["sampled"][key]["acc_len"] == out["sampled"][arm]["acc_len"]
+    assert "greedy (T = 0)" in proc.stdout and "rejection sampling (T = 1)" in proc.stdout

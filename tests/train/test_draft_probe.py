@@ -1,0 +1,107 @@
+"""bench/draft_probe.py: what a draft uses (backbone, Markov bigram, context features), read teacher-forced."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from train_helpers import ShardWriter, make_rows, write_profile
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("draft_probe", ROOT / "bench" / "draft_probe.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_target):
+    from transformers import AutoConfig
+
+    from regen.config import load_profile
+    from regen.train.loop import build_draft_config
+    from regen.train.model import DSparkDraft
+    from regen.train.target import TargetContract, TargetFeatures
+
+    cfg = load_profile(str(write_profile(Path(tiny_target).parent / "probe.yaml", tiny_target)), {}).train
+    dc = build_draft_config(cfg, AutoConfig.from_pretrained(str(tiny_target)))
+    target = TargetFeatures.from_pretrained(tiny_target, TargetContract.from_draft_config(dc))
+    torch.manual_seed(0)
+    draft = DSparkDraft.from_target(target.model, dc).eval()
+    rows = [{"input_ids": r["input_ids"], "loss_mask": [False] * r["loss_spans"][0]["start"]
+             + [True] * (r["num_tokens"] - r["loss_spans"][0]["start"])} for r in make_rows(6, seed=3)]
+    return draft, target, rows
+
+
+def test_probe_reads_each_part_of_the_draft(setup):
+    draft, target, rows = setup
+    bench = _bench()
+    out = bench.probe(draft, target, rows)
+    K = draft.config.block_size
+    assert set(out["slots"]) == set(bench.VARIANTS) and all(len(v) == K for v in out["slots"].values())
+    assert all(0.0 <= x <= 1.0 for v in out["slots"].values() for x in v)
+    assert out["num_slots"][0] >= out["num_slots"][-1] > 0  # a supervised prefix per block
+    (layer,) = out["attention"]["layers"]
+    total = layer["own_block"] + sum(layer["distance"].values())
+    assert total == pytest.approx(1.0, abs=1e-4)  # slot 1 attends to its visible context and its own block only
+    # the probe's explicit attention is the model's: the draft's outputs are unchanged under it
+    ids = torch.tensor([rows[0]["input_ids"]])
+    taps, _ = target.features(ids, torch.ones_like(ids))
+    anchors = torch.tensor([[5, 9]])
+    keep = torch.ones_like(anchors, dtype=torch.bool)
+    with torch.no_grad():
+        plain = draft(taps, ids, anchors, keep)
+        with bench.recorded_attention([]) as store:
+            patched = draft(taps, ids, anchors, keep)
+    assert len(store) == 1 and torch.allclose(plain, patched, atol=1e-5)
+    with torch.no_grad():
+        assert torch.equal(draft(taps, ids, anchors, keep), plain)  # restored after the block
+
+
+def test_probe_variants_separate_the_parts(setup):
+    """Without the Markov head's output the draft is its backbone; without the context projection it ignores the
+    target's features: the probe must then report equal figures."""
+    import copy
+
+    draft, target, rows = setup
+    bench = _bench()
+    no_markov = copy.deepcopy(draft)
+    torch.nn.init.zeros_(no_markov.markov_head.markov_w2.weight)
+    out = bench.probe(no_markov, target, rows)
+    assert out["slots"]["draft"] == out["slots"]["backbone"]
+    blind = copy.deepcopy(draft)
+    torch.nn.init.zeros_(blind.context_proj.weight)
+    out = bench.probe(blind, target, rows)
+    assert out["slots"]["draft"] == out["slots"]["no_context"]
+
+
+def test_probe_command(tmp_path, tiny_target):
+    from regen.train.model import DSparkDraft, save_draft
+    from regen.train.target import TargetContract, TargetFeatures
+    from regen.train.loop import build_draft_config
+    from regen.config import load_profile
+    from transformers import AutoConfig
+
+    run = tmp_path / "run"
+    ShardWriter(run).add(make_rows(12, seed=1), complete=True)
+    profile = write_profile(tmp_path / "tiny.yaml", tiny_target, heldout_fraction=0.5)
+    cfg = load_profile(str(profile), {}).train
+    dc = build_draft_config(cfg, AutoConfig.from_pretrained(str(tiny_target)))
+    target = TargetFeatures.from_pretrained(tiny_target, TargetContract.from_draft_config(dc))
+    save_draft(DSparkDraft.from_target(target.model, dc), tmp_path / "draft")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, str(ROOT / "bench" / "draft_probe.py"), "--run", str(run), "--profile", str(profile),
+           "--draft", str(tmp_path / "draft"), "--rows", "4"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "slot-1 attention" in proc.stdout and (tmp_path / "draft" / "probe-heldout.json").exists()
+    proc = subprocess.run(cmd[:-4] + ["--draft", str(tmp_path / "nowhere")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and "--draft" in proc.stderr
