@@ -21,22 +21,29 @@ def _original_rows(regenerated: list[dict], seed: int) -> list[dict]:
     return rows
 
 
-def test_bench_regen_vs_original_quick(tmp_path, tiny_target):
+def _bench_on_two_shard_sets(tmp_path, tiny_target, num_shards: int, *args: str):
+    """A run with `num_shards` regenerated shards and their original counterparts; the quick bench on it.
+    Returns (run dir, finished process)."""
     run = tmp_path / "run"
     regen = ShardWriter(run)
     orig = ShardWriter(tmp_path / "orig")
-    for k in range(2):
+    for k in range(num_shards):
         rows = make_rows(20, seed=k)
-        regen.add(rows, complete=(k == 1))
-        orig.add(_original_rows(rows, 10 + k), complete=(k == 1))
+        regen.add(rows, complete=(k == num_shards - 1))
+        orig.add(_original_rows(rows, 10 + k), complete=(k == num_shards - 1))
     shutil.move(str(tmp_path / "orig" / "shards"), str(run / "shards-original"))
     profile = write_profile(tmp_path / "tiny.yaml", tiny_target, heldout_fraction=0.3)
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": str(root)}
     proc = subprocess.run([sys.executable, str(root / "bench" / "regen_vs_original.py"), "--run", str(run),
-                           "--profile", str(profile), "--quick", "--seeds", "0,1"],
+                           "--profile", str(profile), "--quick", *args],
                           cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return run, proc
+
+
+def test_bench_regen_vs_original_quick(tmp_path, tiny_target):
+    run, proc = _bench_on_two_shard_sets(tmp_path, tiny_target, 2, "--seeds", "0,1")
     out = json.loads((run / "regen_vs_original.json").read_text())
     assert list(out) == ["seeds", "untrained", "original", "regenerated", "per_seed", "per_category"]
     assert out["seeds"] == [0, 1] and len(out["per_seed"]) == 2
@@ -95,19 +102,7 @@ def test_train_and_eval_on_the_original_set_through_the_cli(tmp_path, tiny_targe
 
 def test_bench_regen_vs_original_sampled(tmp_path, tiny_target):
     """--temperature adds the rejection-sampling figures beside the greedy ones (never in their place)."""
-    run = tmp_path / "run"
-    regen, orig = ShardWriter(run), ShardWriter(tmp_path / "orig")
-    rows = make_rows(20, seed=0)
-    regen.add(rows, complete=True)
-    orig.add(_original_rows(rows, 10), complete=True)
-    shutil.move(str(tmp_path / "orig" / "shards"), str(run / "shards-original"))
-    profile = write_profile(tmp_path / "tiny.yaml", tiny_target, heldout_fraction=0.3)
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": str(root)}
-    proc = subprocess.run([sys.executable, str(root / "bench" / "regen_vs_original.py"), "--run", str(run),
-                           "--profile", str(profile), "--quick", "--temperature", "1.0"],
-                          cwd=root, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run, proc = _bench_on_two_shard_sets(tmp_path, tiny_target, 1, "--temperature", "1.0")
     out = json.loads((run / "regen_vs_original.json").read_text())
     assert list(out) == ["seeds", "untrained", "original", "regenerated", "per_seed", "per_category", "sampled"]
     (s,) = out["per_seed"]
