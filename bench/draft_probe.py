@@ -81,6 +81,7 @@ def recorded_attention(store: list):
     """Within the block, the draft's attention (`regen.train.layers`) runs as an explicit softmax whose
     probabilities float32[B, heads, Q, S+Q] are appended to `store`, one entry per layer call; same outputs."""
     import torch
+
     from regen.train import layers
 
     original = layers.F

@@ -83,11 +83,12 @@ def test_probe_variants_separate_the_parts(setup):
 
 
 def test_probe_command(tmp_path, tiny_target):
+    from transformers import AutoConfig
+
+    from regen.config import load_profile
+    from regen.train.loop import build_draft_config
     from regen.train.model import DSparkDraft, save_draft
     from regen.train.target import TargetContract, TargetFeatures
-    from regen.train.loop import build_draft_config
-    from regen.config import load_profile
-    from transformers import AutoConfig
 
     run = tmp_path / "run"
     ShardWriter(run).add(make_rows(12, seed=1), complete=True)
