@@ -12,7 +12,8 @@ spec §7) for:
 - `draft`: the draft as served (U_k + W2·W1[x_(k-1)], spec §3);
 - `backbone`: U_k alone (the Markov bias left out);
 - `markov`: W2·W1[x_(k-1)] alone: a low-rank bigram of the previous token;
-- `no_context`: the whole draft with the target's tap features set to zero (what the context adds).
+- `no_context`: the whole draft with its context masked out of attention: each block sees only its own slots,
+  none of the target's tap features (what the context adds).
 
 and, for slot 1's queries, the attention mass by distance d = a − j to context position j (summed over heads'
 mean, each layer), the mass on the block's own slots, and the uniform mass 1/(visible positions), averaged over
@@ -132,8 +133,8 @@ def probe(draft, target, rows: list[dict]) -> dict:
         store: list = []
         with torch.no_grad(), recorded_attention(store):
             h = draft(taps, ids, anchors, keep)[0]  # [N, K, H]
-        with torch.no_grad():
-            h0 = draft(torch.zeros_like(taps), ids, anchors, keep)[0]
+        with torch.no_grad():  # an all-False attention mask hides every context position (spec §2 training mask)
+            h0 = draft(taps, ids, anchors, keep, None, torch.zeros_like(ids, dtype=torch.bool))[0]
         pos = anchors[0][:, None] + torch.arange(K)  # [N, K]: slot k's previous-token position a+k
         supervised = (pos + 1 < S) & lm[0, (pos + 1).clamp(max=S - 1)]
         supervised = supervised.float().cumprod(-1).bool()  # a contiguous supervised prefix (spec §5)
