@@ -48,28 +48,44 @@ NEAR = 8  # distances 1…NEAR reported one by one, the rest summed
 
 
 def probe_rows(run, cfg, split: str, limit: int) -> list[dict]:
-    """Rows of `run.shards` as the trainer cuts them: {input_ids int list, loss_mask bool list}, held-out or
-    training prompts by `cfg.heldout_fraction` (`regen.train.eval.is_heldout`), at most `limit`."""
+    """Rows of `run.shards` as the trainer takes them: {input_ids int list, loss_mask bool list}, held-out or
+    training prompts by `cfg.heldout_fraction` (`regen.train.eval.is_heldout`), cut to `cfg.max_len` on the
+    `cfg.truncate` side, rows with fewer than `cfg.min_loss_tokens` supervised tokens left out (as
+    `regen.train.feed.ShardFeed` does); at most `limit`. Each shard's sha256 is checked against the manifest.
+    Raises InputError for a missing manifest, a changed shard, or `--split heldout` with nothing held out."""
+    import hashlib
+
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     from regen.errors import InputError
     from regen.train.eval import is_heldout
-    from regen.train.feed import window_spans
+    from regen.train.feed import manifest_entries, window_spans
 
     manifest = run.manifest(run.shards)
     if not manifest or not manifest.get("shards"):
         raise InputError(f"{run.shards}/manifest.json lists no shards: run the main job first")
+    if split == "heldout" and not cfg.heldout_fraction > 0:
+        raise InputError("train.heldout_fraction is 0: no prompt is held out; use --split train or "
+                         "--set train.heldout_fraction=0.15 (the prompts the draft did not train on)")
     out = []
-    for entry in manifest["shards"]:
-        table = pq.read_table(run.shards / entry["path"], columns=["prompt_id", "input_ids", "loss_spans"])
+    for entry in manifest_entries(manifest):
+        path = run.shards / entry["path"]
+        data = path.read_bytes() if path.exists() else None
+        if data is None or hashlib.sha256(data).hexdigest() != entry["sha256"]:
+            raise InputError(f"{path}: missing or changed since shards/manifest.json listed it; re-run `regen render`")
+        table = pq.read_table(pa.BufferReader(data), columns=["prompt_id", "input_ids", "loss_spans"])
         for row in table.to_pylist():
             if is_heldout(row["prompt_id"], cfg.heldout_fraction) != (split == "heldout"):
                 continue
             n = len(row["input_ids"])
             kept = min(n, cfg.max_len)
             start = n - kept if cfg.truncate == "left" else 0
+            spans = window_spans(row["loss_spans"], start, kept)
+            if sum(hi - lo for lo, hi in spans) < cfg.min_loss_tokens:
+                continue
             mask = [False] * kept
-            for lo, hi in window_spans(row["loss_spans"], start, kept):
+            for lo, hi in spans:
                 mask[lo:hi] = [True] * (hi - lo)
             out.append({"input_ids": row["input_ids"][start:start + kept], "loss_mask": mask})
             if len(out) >= limit:
@@ -87,7 +103,9 @@ def recorded_attention(store: list):
 
     original = layers.F
 
-    def explicit(q, k, v, attn_mask=None, scale=None, **_):
+    def explicit(q, k, v, attn_mask=None, scale=None, **other):
+        if any(other.values()):  # is_causal, dropout_p, enable_gqa: not what the draft's layers use
+            raise NotImplementedError(f"recorded_attention: unsupported arguments {sorted(other)}")
         scores = (q.float() @ k.float().transpose(-1, -2)) * (scale if scale is not None else q.shape[-1] ** -0.5)
         if attn_mask is not None:
             scores = scores.masked_fill(~attn_mask, float("-inf"))
@@ -106,7 +124,7 @@ def recorded_attention(store: list):
         layers.F = original
 
 
-def probe(draft, target, rows: list[dict]) -> dict:
+def probe(draft, target, rows: list[dict], chunk: int = 64) -> dict:
     """Per-slot top-1 agreement with the target's greedy token for each of `VARIANTS`, and slot-1 attention
     mass by distance (see the module docstring). Returns {"slots": {variant: [K floats]}, "num_slots": [K],
     "attention": {"layers": [{"distance": {"1": m, …, f">{NEAR}": m}, "own_block": m, "uniform": m}]},
@@ -117,7 +135,7 @@ def probe(draft, target, rows: list[dict]) -> dict:
     hits = {v: torch.zeros(K, dtype=torch.float64) for v in VARIANTS}
     count = torch.zeros(K, dtype=torch.float64)
     att_sum: list[dict] = []
-    blocks = 0
+    blocks = rows_probed = 0
     for row in rows:
         ids = torch.tensor([row["input_ids"]], dtype=torch.long)
         lm = torch.tensor([row["loss_mask"]], dtype=torch.bool)
@@ -130,11 +148,18 @@ def probe(draft, target, rows: list[dict]) -> dict:
         N = anchors.shape[1]
         taps, last = target.features(ids, torch.ones_like(ids))
         greedy = target.logits(last).argmax(-1)[0]  # greedy token after each position
-        store: list = []
-        with torch.no_grad(), recorded_attention(store):
-            h = draft(taps, ids, anchors, keep)[0]  # [N, K, H]
-        with torch.no_grad():  # an all-False attention mask hides every context position (spec §2 training mask)
-            h0 = draft(taps, ids, anchors, keep, None, torch.zeros_like(ids, dtype=torch.bool))[0]
+        # blocks never see each other (spec §2 training mask): chunks of anchors give the same figures while the
+        # recorded [heads, chunk·K, S + chunk·K] probabilities stay bounded on long rows
+        hs, h0s = [], []
+        for c in range(0, N, chunk):
+            a_c, k_c = anchors[:, c:c + chunk], keep[:, c:c + chunk]
+            store: list = []
+            with torch.no_grad(), recorded_attention(store):
+                hs.append(draft(taps, ids, a_c, k_c)[0])  # [n, K, H]
+            with torch.no_grad():  # an all-False attention mask hides every context position (spec §2)
+                h0s.append(draft(taps, ids, a_c, k_c, None, torch.zeros_like(ids, dtype=torch.bool))[0])
+            _add_slot1_attention(att_sum, store, a_c[0], S, K)
+        h, h0 = torch.cat(hs), torch.cat(h0s)
         pos = anchors[0][:, None] + torch.arange(K)  # [N, K]: slot k's previous-token position a+k
         supervised = (pos + 1 < S) & lm[0, (pos + 1).clamp(max=S - 1)]
         supervised = supervised.float().cumprod(-1).bool()  # a contiguous supervised prefix (spec §5)
@@ -154,20 +179,7 @@ def probe(draft, target, rows: list[dict]) -> dict:
             hits[name] += hit.double().sum(0)
         count += supervised.double().sum(0)
         blocks += N
-        for li, p in enumerate(store):  # p: [1, heads, N·K, S + N·K]
-            slot1 = p[0, :, ::K].mean(0)  # [N, S + N·K], mean over heads
-            while len(att_sum) <= li:
-                att_sum.append({"distance": torch.zeros(NEAR + 1, dtype=torch.float64), "own_block": 0.0,
-                                "uniform": 0.0})
-            acc = att_sum[li]
-            for n in range(N):
-                a = int(anchors[0, n])
-                ctx = slot1[n, :a]  # visible context: positions < a (spec §2 training mask)
-                d = a - torch.arange(a)
-                acc["distance"][: NEAR] += torch.stack([ctx[d == i].sum() for i in range(1, NEAR + 1)]).double()
-                acc["distance"][NEAR] += float(ctx[d > NEAR].sum())
-                acc["own_block"] += float(slot1[n, S + n * K: S + (n + 1) * K].sum())
-                acc["uniform"] += 1.0 / (a + K) if a + K else 0.0
+        rows_probed += 1
     if not blocks:
         from regen.errors import InputError
 
@@ -179,7 +191,26 @@ def probe(draft, target, rows: list[dict]) -> dict:
                                 f">{NEAR}": float(a["distance"][NEAR]) / blocks},
                    "own_block": a["own_block"] / blocks, "uniform": a["uniform"] / blocks} for a in att_sum]
     return {"slots": slots, "num_slots": [int(x) for x in count], "attention": {"layers": layers_out},
-            "num_rows": len(rows), "num_blocks": blocks}
+            "num_rows": rows_probed, "num_blocks": blocks}
+
+
+def _add_slot1_attention(att_sum: list[dict], store: list, anchors_N, S: int, K: int) -> None:
+    """Add slot 1's attention mass of one pass (`store`: per layer [1, heads, N·K, S + N·K] for `anchors_N`) to
+    `att_sum` (per layer: mass by distance a − j for 1…NEAR and beyond, own-block mass, uniform 1/(a + K))."""
+    import torch
+
+    for li, p in enumerate(store):
+        slot1 = p[0, :, ::K].mean(0)  # [N, S + N·K], mean over heads
+        while len(att_sum) <= li:
+            att_sum.append({"distance": torch.zeros(NEAR + 1, dtype=torch.float64), "own_block": 0.0, "uniform": 0.0})
+        acc = att_sum[li]
+        for n, a in enumerate(anchors_N.tolist()):
+            ctx = slot1[n, :a]  # visible context: positions < a (spec §2 training mask)
+            d = a - torch.arange(a)
+            acc["distance"][:NEAR] += torch.stack([ctx[d == i].sum() for i in range(1, NEAR + 1)]).double()
+            acc["distance"][NEAR] += float(ctx[d > NEAR].sum())
+            acc["own_block"] += float(slot1[n, S + n * K: S + (n + 1) * K].sum())
+            acc["uniform"] += 1.0 / (a + K)
 
 
 def format_report(out: dict) -> str:
@@ -238,7 +269,7 @@ def main(argv=None) -> int:
     draft = load_draft(draft_dir, target.model).float().eval()
     target.contract.check(dataclasses.asdict(draft.config), str(draft_dir / "config.json"))
     rows = probe_rows(run, cfg, args.split, args.rows)
-    out = {"draft": str(draft_dir), "split": args.split, **probe(draft, target, rows)}
+    out = {"draft": str(draft_dir), "split": args.split, **probe(draft, target, rows, chunk=max(1, cfg.num_anchors))}
     write_json_atomic(out, Path(args.out) if args.out else draft_dir / f"probe-{args.split}.json")
     print(format_report(out))
     return 0

@@ -122,6 +122,8 @@ def main(argv=None) -> int:
                         f"{QUICK['max_new_tokens']} new tokens (unless given)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = p.parse_args(argv)
+    if not args.temperature >= 0:  # before any training: run_eval would refuse it only after both arms
+        raise InputError(f"--temperature {args.temperature}: use T >= 0 (0 = greedy only; the paper's tables: 1.0)")
     if args.quick:
         defaults = p.parse_args(["--run", args.run])
         for key, value in QUICK.items():

@@ -112,3 +112,16 @@ def test_bench_regen_vs_original_sampled(tmp_path, tiny_target):
     for arm, key in (("regenerated", "trained"), ("original", "original"), ("untrained", "untrained")):
         assert s["sampled"][arm]["acc_len"] == ev["sampled"][key]["acc_len"] == out["sampled"][arm]["acc_len"]
     assert "greedy (T = 0)" in proc.stdout and "rejection sampling (T = 1)" in proc.stdout
+
+
+def test_bench_regen_vs_original_refuses_a_negative_temperature_before_training(tmp_path, tiny_target):
+    run = tmp_path / "run"
+    ShardWriter(run).add(make_rows(4, seed=0), complete=True)
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": str(root)}
+    profile = write_profile(tmp_path / "tiny.yaml", tiny_target)
+    proc = subprocess.run([sys.executable, str(root / "bench" / "regen_vs_original.py"), "--run", str(run),
+                           "--profile", str(profile), "--temperature", "-1"],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "--temperature -1" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (run / "regen-vs-original").exists() and not (run / "shards-original").exists()

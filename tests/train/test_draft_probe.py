@@ -61,6 +61,12 @@ def test_probe_reads_each_part_of_the_draft(setup):
         with bench.recorded_attention([]) as store:
             patched = draft(taps, ids, anchors, keep)
     assert len(store) == 1 and torch.allclose(plain, patched, atol=1e-5)
+    # anchors in chunks (bounded memory on long rows) give the same figures: blocks never see each other
+    chunked = bench.probe(draft, target, rows, chunk=3)
+    assert chunked["num_blocks"] == out["num_blocks"] and chunked["num_slots"] == out["num_slots"]
+    for v in bench.VARIANTS:
+        assert chunked["slots"][v] == pytest.approx(out["slots"][v])
+    assert chunked["attention"]["layers"][0]["distance"] == pytest.approx(layer["distance"], abs=1e-6)
     with torch.no_grad():
         assert torch.equal(draft(taps, ids, anchors, keep), plain)  # restored after the block
 
@@ -118,3 +124,7 @@ def test_probe_command(tmp_path, tiny_target):
     proc = subprocess.run(cmd[:-4] + ["--draft", str(tmp_path / "nowhere")], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and "--draft" in proc.stderr
+    nothing_held = write_profile(tmp_path / "all-trained.yaml", tiny_target, heldout_fraction=0.0)
+    proc = subprocess.run(cmd[:4] + ["--profile", str(nothing_held)] + cmd[6:], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "heldout_fraction is 0" in proc.stderr and "Traceback" not in proc.stderr
