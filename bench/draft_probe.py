@@ -221,7 +221,7 @@ def format_report(out: dict) -> str:
         vals = out["slots"][v]
         lines.append(f"{v:<12}" + ("".join(f"{x:7.3f}" for x in vals) if vals else "   (no Markov head)"))
     d1, m1, n1 = out["slots"]["draft"][0], (out["slots"]["markov"] or [None])[0], out["slots"]["no_context"][0]
-    ratios = [f"draft / draft without features {d1 / n1:.2f}x" if n1 else "draft without features: 0"]
+    ratios = [f"draft / draft with context masked out {d1 / n1:.2f}x" if n1 else "context masked out: 0"]
     if m1:
         ratios.insert(0, f"draft / Markov bigram {d1 / m1:.2f}x")
     lines.append("slot 1: " + ", ".join(ratios) + " (the baselines, measured in the same pass)")

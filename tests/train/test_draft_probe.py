@@ -119,7 +119,7 @@ def test_probe_command(tmp_path, tiny_target):
            "--draft", str(tmp_path / "draft"), "--rows", "4"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "slot-1 attention" in proc.stdout and "draft / draft without features" in proc.stdout
+    assert "slot-1 attention" in proc.stdout and "draft / draft with context masked out" in proc.stdout
     assert (tmp_path / "draft" / "probe-heldout.json").exists()
     proc = subprocess.run(cmd[:-4] + ["--draft", str(tmp_path / "nowhere")], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
