@@ -48,46 +48,27 @@ NEAR = 8  # distances 1…NEAR reported one by one, the rest summed
 
 
 def probe_rows(run, cfg, split: str, limit: int) -> list[dict]:
-    """Rows of `run.shards` as the trainer takes them: {input_ids int list, loss_mask bool list}, held-out or
-    training prompts by `cfg.heldout_fraction` (`regen.train.eval.is_heldout`), cut to `cfg.max_len` on the
-    `cfg.truncate` side, rows with fewer than `cfg.min_loss_tokens` supervised tokens left out (as
-    `regen.train.feed.ShardFeed` does); at most `limit`. Each shard's sha256 is checked against the manifest.
+    """Rows of `run.shards` exactly as the trainer's feed (`regen.train.feed.ShardFeed`) takes them, in manifest
+    order: {input_ids int list, loss_mask bool list}, cut to `train.max_len` on the `train.truncate` side, short
+    rows dropped, shard checksums checked; the held-out prompts of `train.heldout_fraction`
+    (`regen.train.eval.is_heldout`) for `split="heldout"`, the training ones otherwise; at most `limit`.
     Raises InputError for a missing manifest, a changed shard, or `--split heldout` with nothing held out."""
-    import hashlib
-
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     from regen.errors import InputError
     from regen.train.eval import is_heldout
-    from regen.train.feed import manifest_entries, window_spans
+    from regen.train.feed import ShardFeed
+    from regen.train.loop import feed_config
 
-    manifest = run.manifest(run.shards)
-    if not manifest or not manifest.get("shards"):
-        raise InputError(f"{run.shards}/manifest.json lists no shards: run the main job first")
-    if split == "heldout" and not cfg.heldout_fraction > 0:
+    frac = cfg.heldout_fraction
+    if split == "heldout" and not frac > 0:
         raise InputError("train.heldout_fraction is 0: no prompt is held out; use --split train or "
                          "--set train.heldout_fraction=0.15 (the prompts the draft did not train on)")
+    # one row per micro-batch, no shuffle, no length bucketing: the rows in manifest order, unpadded
+    fc = dataclasses.replace(feed_config(cfg), max_batch=1, shuffle_buffer=1, bucket_window=1)
+    skip = (lambda pid: not is_heldout(pid, frac)) if split == "heldout" else None  # None: the held-out skipped
     out = []
-    for entry in manifest_entries(manifest):
-        path = run.shards / entry["path"]
-        data = path.read_bytes() if path.exists() else None
-        if data is None or hashlib.sha256(data).hexdigest() != entry["sha256"]:
-            raise InputError(f"{path}: missing or changed since shards/manifest.json listed it; re-run `regen render`")
-        table = pq.read_table(pa.BufferReader(data), columns=["prompt_id", "input_ids", "loss_spans"])
-        for row in table.to_pylist():
-            if is_heldout(row["prompt_id"], cfg.heldout_fraction) != (split == "heldout"):
-                continue
-            n = len(row["input_ids"])
-            kept = min(n, cfg.max_len)
-            start = n - kept if cfg.truncate == "left" else 0
-            spans = window_spans(row["loss_spans"], start, kept)
-            if sum(hi - lo for lo, hi in spans) < cfg.min_loss_tokens:
-                continue
-            mask = [False] * kept
-            for lo, hi in spans:
-                mask[lo:hi] = [True] * (hi - lo)
-            out.append({"input_ids": row["input_ids"][start:start + kept], "loss_mask": mask})
+    for step in ShardFeed(run.shards, fc, heldout=skip).steps(num_epochs=1):
+        for mb in step.microbatches:
+            out.append({"input_ids": mb.input_ids[0].tolist(), "loss_mask": mb.loss_mask[0].tolist()})
             if len(out) >= limit:
                 return out
     return out
@@ -131,6 +112,8 @@ def probe(draft, target, rows: list[dict], chunk: int = 64) -> dict:
     "num_rows", "num_blocks"}."""
     import torch
 
+    from regen.train.loss import evaluation_mask, sample_anchors, slot_positions
+
     K = draft.config.block_size
     hits = {v: torch.zeros(K, dtype=torch.float64) for v in VARIANTS}
     count = torch.zeros(K, dtype=torch.float64)
@@ -140,11 +123,9 @@ def probe(draft, target, rows: list[dict], chunk: int = 64) -> dict:
         ids = torch.tensor([row["input_ids"]], dtype=torch.long)
         lm = torch.tensor([row["loss_mask"]], dtype=torch.bool)
         S = ids.shape[1]
-        valid = (lm[0, :-1] & lm[0, 1:]).nonzero().flatten()
-        if valid.numel() == 0:
+        anchors, keep = sample_anchors(lm, S)  # every valid anchor (spec §5), ascending
+        if not keep.any():
             continue
-        anchors = valid[None]
-        keep = torch.ones_like(anchors, dtype=torch.bool)
         N = anchors.shape[1]
         taps, last = target.features(ids, torch.ones_like(ids))
         greedy = target.logits(last).argmax(-1)[0]  # greedy token after each position
@@ -160,9 +141,8 @@ def probe(draft, target, rows: list[dict], chunk: int = 64) -> dict:
                 h0s.append(draft(taps, ids, a_c, k_c, None, torch.zeros_like(ids, dtype=torch.bool))[0])
             _add_slot1_attention(att_sum, store, a_c[0], S, K)
         h, h0 = torch.cat(hs), torch.cat(h0s)
-        pos = anchors[0][:, None] + torch.arange(K)  # [N, K]: slot k's previous-token position a+k
-        supervised = (pos + 1 < S) & lm[0, (pos + 1).clamp(max=S - 1)]
-        supervised = supervised.float().cumprod(-1).bool()  # a contiguous supervised prefix (spec §5)
+        pos = slot_positions(anchors, K)[0]  # [N, K]: slot k's previous-token position a+k
+        supervised = evaluation_mask(anchors, keep, lm, K)[0].bool()  # a contiguous supervised prefix (spec §5)
         prev = ids[0, pos.clamp(max=S - 1)]
         want = greedy[pos.clamp(max=S - 1)]
         with torch.no_grad():
@@ -276,12 +256,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except Exception as exc:  # a user error prints without a traceback, like the CLI
-        from regen.errors import InputError
+    from regen.errors import exit_code
 
-        if not isinstance(exc, InputError):
-            raise
-        print(f"bench/draft_probe.py: error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    sys.exit(exit_code(main, "bench/draft_probe.py"))

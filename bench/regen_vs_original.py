@@ -173,7 +173,7 @@ def main(argv=None) -> int:
         print(json.dumps({k: v for k, v in row.items() if k != "train"}, indent=2), flush=True)
 
     summary = summarize(per_seed)
-    result = {"seeds": [r["seed"] for r in per_seed], **{a: summary[a] for a in ("untrained", "original", "regenerated")},
+    result = {"seeds": [r["seed"] for r in per_seed], **{a: summary[a] for a in SUMMARY_ARMS},
               "per_seed": per_seed, "per_category": summary["per_category"]}
     if args.temperature > 0:
         result["sampled"] = {"temperature": args.temperature, **summarize([r["sampled"] for r in per_seed])}
@@ -187,7 +187,8 @@ def main(argv=None) -> int:
     return 0
 
 
-ARM_KEYS = {"regenerated": "trained", "original": "original", "untrained": "untrained"}
+ARM_KEYS = {"regenerated": "trained", "original": "original", "untrained": "untrained"}  # arm: run_eval's name
+SUMMARY_ARMS = ("untrained", "original", "regenerated")  # the order of the JSON
 
 
 def arm_figures(ev: dict) -> dict:
@@ -214,7 +215,7 @@ def summarize(rows: list[dict]) -> dict:
         entry["ratio_regenerated_vs_original"] = (entry["regenerated"] / entry["original"]
                                                   if entry["original"] else None)
         per_category[c] = entry
-    return {**{a: {"acc_len": _mean([r[a]["acc_len"] for r in rows])} for a in ("untrained", "original", "regenerated")},
+    return {**{a: {"acc_len": _mean([r[a]["acc_len"] for r in rows])} for a in SUMMARY_ARMS},
             "per_category": per_category}
 
 
@@ -230,12 +231,6 @@ def print_table(title: str, rows: list[dict], summary: dict) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except Exception as exc:  # a user error prints without a traceback, like the CLI
-        from regen.errors import InputError
+    from regen.errors import exit_code
 
-        if not isinstance(exc, InputError):
-            raise
-        print(f"bench/regen_vs_original.py: error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    sys.exit(exit_code(main, "bench/regen_vs_original.py"))

@@ -9,7 +9,7 @@ import argparse
 import importlib
 import sys
 
-from regen.errors import InputError
+from regen.errors import exit_code
 
 # command -> (module, one-line help). A literal registry, in pipeline order.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -42,11 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"regen {name}", description=COMMANDS[name][1])
     module.add_arguments(parser)
     args = parser.parse_args(argv[1:])
-    try:
-        return int(module.main(args) or 0)
-    except InputError as exc:
-        print(f"regen {name}: error: {exc}", file=sys.stderr)
-        return 2
+    return exit_code(lambda: module.main(args), f"regen {name}")
 
 
 if __name__ == "__main__":

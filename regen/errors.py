@@ -3,3 +3,15 @@
 
 class InputError(ValueError):
     """Bad user input (a file, a row, a flag). The message names the input, the row or field, and what to do."""
+
+
+def exit_code(main, prog: str) -> int:
+    """`main()`'s exit status (None -> 0); an InputError prints as `<prog>: error: <message>` on stderr, without a
+    traceback, and gives 2 (argparse's status for a usage error). Other exceptions propagate."""
+    import sys
+
+    try:
+        return int(main() or 0)
+    except InputError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2

@@ -27,7 +27,6 @@ import dataclasses
 import json
 import logging
 import math
-import sys
 import time
 from pathlib import Path
 
@@ -473,8 +472,6 @@ def script_main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     p = argparse.ArgumentParser(prog="regen train")
     add_arguments(p)
-    try:
-        return int(main(p.parse_args(argv)) or 0)
-    except InputError as exc:
-        print(f"regen train: error: {exc}", file=sys.stderr)
-        return 2
+    from regen.errors import exit_code
+
+    return exit_code(lambda: main(p.parse_args(argv)), "regen train")
