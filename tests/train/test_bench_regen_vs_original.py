@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
+import pytest
 from train_helpers import ShardWriter, make_rows, write_profile
 
 
@@ -114,14 +115,15 @@ def test_bench_regen_vs_original_sampled(tmp_path, tiny_target):
     assert "greedy (T = 0)" in proc.stdout and "rejection sampling (T = 1)" in proc.stdout
 
 
-def test_bench_regen_vs_original_refuses_a_negative_temperature_before_training(tmp_path, tiny_target):
+@pytest.mark.parametrize("temperature", ["-1", "nan"])
+def test_bench_regen_vs_original_refuses_a_bad_temperature_before_training(tmp_path, tiny_target, temperature):
     run = tmp_path / "run"
     ShardWriter(run).add(make_rows(4, seed=0), complete=True)
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": str(root)}
     profile = write_profile(tmp_path / "tiny.yaml", tiny_target)
     proc = subprocess.run([sys.executable, str(root / "bench" / "regen_vs_original.py"), "--run", str(run),
-                           "--profile", str(profile), "--temperature", "-1"],
+                           "--profile", str(profile), "--temperature", temperature],
                           cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2 and "--temperature -1" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.returncode == 2 and f"--temperature {float(temperature)}" in proc.stderr and "Traceback" not in proc.stderr
     assert not (run / "regen-vs-original").exists() and not (run / "shards-original").exists()

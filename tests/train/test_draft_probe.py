@@ -43,7 +43,9 @@ def setup(tiny_target):
 def test_probe_reads_each_part_of_the_draft(setup):
     draft, target, rows = setup
     bench = _bench()
-    out = bench.probe(draft, target, rows)
+    unsupervised = {"input_ids": rows[0]["input_ids"], "loss_mask": [False] * len(rows[0]["input_ids"])}
+    out = bench.probe(draft, target, rows + [unsupervised])
+    assert out["num_rows"] == len(rows)  # a row without a supervised anchor is not counted as probed
     K = draft.config.block_size
     assert set(out["slots"]) == set(bench.VARIANTS) and all(len(v) == K for v in out["slots"].values())
     assert all(0.0 <= x <= 1.0 for v in out["slots"].values() for x in v)
@@ -69,6 +71,11 @@ def test_probe_reads_each_part_of_the_draft(setup):
     assert chunked["attention"]["layers"][0]["distance"] == pytest.approx(layer["distance"], abs=1e-6)
     with torch.no_grad():
         assert torch.equal(draft(taps, ids, anchors, keep), plain)  # restored after the block
+    from regen.train import layers
+
+    q = torch.zeros(1, 1, 2, 4)
+    with bench.recorded_attention([]), pytest.raises(NotImplementedError, match="is_causal"):
+        layers.F.scaled_dot_product_attention(q, q, q, is_causal=True)  # not what the draft's layers call
 
 
 def test_probe_variants_separate_the_parts(setup):
