@@ -20,6 +20,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "show-render": ("regen.render.show", "render one conversation from stdin and print text, ids, loss mask"),
     "export": ("regen.render.export", "copy shards or conversations to a local path or fsspec URI"),
     "train": ("regen.train.loop", "train a DSpark draft on the shards with online target hidden states"),
+    "features": ("regen.train.features.cli", "feature producers, a store node, a pool's status (train.features: "
+                 "producers)"),
     "eval": ("regen.train.eval", "measure a draft's acc_len against the target"),
     "plan": ("regen.plan", "a dry run: requests, tokens, server-hours, shard bytes, GPU memory of a profile"),
     "run": ("regen.pipeline", "the main job: every stage of a profile in order, resumable"),

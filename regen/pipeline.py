@@ -83,8 +83,20 @@ def step_render(render: RenderConfig, run: RunDir, *, progress: bool = True) -> 
 
 
 def step_train(train: TrainConfig, run: RunDir) -> dict:
+    """`regen.train.loop.run_train`; a local producer pool trains in a private network namespace (only
+    loopback: `regen.train.features.netns`) where the machine allows."""
+    import json
+
+    from regen.errors import InputError
+    from regen.train.features.netns import run_train_isolated, should_isolate
     from regen.train.loop import run_train
 
+    if should_isolate(train):
+        status = run_train_isolated(train, run)
+        if status == 0:
+            return json.loads((run.train / "summary.json").read_text())
+        if status is not None:
+            raise InputError(f"the trainer exited with status {status}; its error is above")
     return run_train(train, run)
 
 

@@ -7,9 +7,76 @@ Training defaults follow the DS Qwen3-4B recipe (spec §6): AdamW, warmup 4 %, c
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+
+
+def _bytes(value):
+    from regen.config.units import parse_bytes
+
+    try:
+        return parse_bytes(value)
+    except ValueError as exc:  # InputError is a ValueError: pydantic reports it with the field's name
+        raise ValueError(str(exc)) from None
+
+
+Bytes = Annotated[int, BeforeValidator(_bytes)]
+
+
+class StoreConfig(BaseModel):
+    """The Mooncake store that carries feature objects (regen.train.features.store)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    master: str = Field("local", description="`local`: regen starts a mooncake_master on 127.0.0.1 for this run "
+                        "and stops it; else host:port of an existing master (a cluster's), may use ${ENV}")
+    metrics_url: str | None = Field(None, description="the master's Prometheus URL (http://host:9003/metrics) for "
+                                    "the store's own resident bytes; null with an external master = not measured")
+    protocol: Literal["tcp", "rdma"] = Field("tcp", description="Mooncake transfer protocol (rdma on GPU clusters)")
+    device: str = Field("", description="RDMA device names for protocol rdma (Mooncake `rdma_devices`)")
+    hostname: str = Field("127.0.0.1", description="the address this process's Mooncake client announces "
+                          "(each node's own IP on a cluster)")
+    segment_bytes_per_rank: Bytes | None = Field(None, ge=0, description="memory each trainer rank mounts into the "
+                                               "store; null = its share of budget_bytes plus one object; 0 = store "
+                                               "nodes (`regen features store`) hold the objects")
+    local_buffer_bytes: Bytes | None = Field(None, ge=0, description="each client's Mooncake transfer buffer; null "
+                                           "= twice the largest object")
+    put_release_s: float = Field(15.0, gt=0, description="how long bytes of a producer that died mid-put stay "
+                                 "counted (Mooncake's put_start_release_timeout_sec; 600 on a default master)")
+
+
+class ProducersConfig(BaseModel):
+    """The feature producer pool (`train.features: producers`, regen.train.features)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    num_local: int = Field(2, ge=0, description="producers this job starts itself on this machine (transformers, "
+                           "train.target); 0 = only producers started elsewhere (`regen features produce`)")
+    local_threads: int = Field(1, ge=0, description="torch threads of each local producer (0 = torch's default)")
+    local_device: str = Field("cpu", description="device of the local producers: cpu | cuda:N | auto")
+    local_max_len: int = Field(0, ge=0, description="longest row a local producer runs (0 = the model's "
+                               "max_position_embeddings); longer micro-batches fail back to the dispatcher")
+    budget_bytes: Bytes = Field(0, ge=0, description="bytes of feature objects produced ahead and not yet consumed, "
+                              "leases included (0 = 8 of the largest objects)")
+    max_ahead: int = Field(64, ge=1, description="micro-batches planned ahead of the trainer at most")
+    max_attempts: int = Field(3, ge=1, description="attempts (failures or producer deaths) before a micro-batch's "
+                              "features count as failed")
+    on_failure: Literal["error", "zero_loss"] = Field("error", description="a micro-batch that failed on every "
+                                                      "attempt: stop naming it, or zero its loss mask (counted in "
+                                                      "train/summary.json) so every rank stays in step")
+    heartbeat_s: float = Field(1.0, gt=0, description="producer heartbeat period")
+    lease_timeout_s: float = Field(15.0, gt=0, description="a producer silent this long is dead; its leases go "
+                                   "back to the pool")
+    no_producer_timeout_s: float = Field(120.0, gt=0, description="every producer gone this long: the trainer "
+                                         "stops with a clear error (its last checkpoint intact)")
+    startup_timeout_s: float = Field(600.0, gt=0, description="no producer registered this long after start: "
+                                     "the same error (a large target loads for minutes)")
+    dispatcher_host: str = Field("127.0.0.1", description="address rank 0's dispatcher binds; a cluster's "
+                                 "producers must reach it (e.g. the training node's IP)")
+    dispatcher_port: int = Field(0, ge=0, le=65535, description="its port (0 = a free one, written to "
+                                 "<train dir>/features/dispatcher.json)")
+    store: StoreConfig = Field(default_factory=StoreConfig)
 
 
 class TrainConfig(BaseModel):
@@ -18,6 +85,13 @@ class TrainConfig(BaseModel):
     enabled: bool = False
     # target and feature contract (spec §1)
     target: str | None = None  # local path of the target model (transformers directory); may use ${ENV}
+    features: Literal["in_process", "producers"] = Field(
+        "in_process", description="where tap features come from: the whole target in every trainer rank "
+        "(small targets), or a producer pool through a Mooncake store (README \"Training at scale\")")
+    producers: ProducersConfig = Field(default_factory=ProducersConfig)
+    target_head_keys: dict[str, str] = Field(default_factory=dict, description="tensor names {embed, norm, "
+                                             "lm_head} of the target head, for architectures transformers cannot "
+                                             "build (regen.train.target_head)")
     target_layer_ids: list[int] = Field(default_factory=list)  # empty = the default rule for 3 taps (spec §1)
     aux_hidden_stream: str = "prefix"  # prefix | attn_res
     fc_norm: bool = False

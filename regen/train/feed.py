@@ -380,6 +380,32 @@ class ShardFeed:
             self.stats["microbatches_dropped"] += len(pending)
             self.epoch, self.consumed = epoch + 1, 0
 
+    def plan(self, num_epochs: int | None, num_steps: int, drop: Callable[[int, range], None]):
+        """Every rank's micro-batches of the next `num_steps` optimizer steps from the saved position, in global
+        order: (epoch, global index, MicroBatch, consuming rank), the rank being the one `steps()` gives it to.
+
+        Yields each micro-batch as soon as the stream has it (follow mode may wait for shards in between), so a
+        feature producer can start before its step is complete; the micro-batches of an epoch's trailing partial
+        step, which `steps()` drops, are announced with `drop(epoch, range)` when the epoch ends. Advances this
+        feed's position like `steps()` (a dispatcher's own feed, never the training one)."""
+        group = self.world_size * self.grad_accum
+        remaining = num_steps * group
+        while remaining > 0 and (num_epochs is None or self.epoch < num_epochs):
+            epoch, start, end = self.epoch, self.consumed, self.consumed
+            for g, refs in enumerate(self._global_microbatches(epoch)):
+                if g < start:
+                    continue
+                if remaining <= 0:
+                    return
+                yield epoch, g, self._materialize(refs, epoch, g), (g % group) % self.world_size
+                remaining -= 1
+                end = g + 1
+            tail = (end - start) % group
+            if tail:
+                drop(epoch, range(end - tail, end))
+                remaining += tail
+            self.epoch, self.consumed = epoch + 1, 0
+
     def supervised_token_counts(self, vocab_size: int):
         """int64[vocab_size]: how often each token id is a supervised (loss-masked) token in this feed's training
         rows, i.e. the shards listed now, held-out and short rows dropped, each row cut to its `max_len` window

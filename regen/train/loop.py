@@ -59,7 +59,14 @@ def main(args) -> int:
     updates = {"seed": cfg.seed if cfg.seed is not None else profile.seed}
     if args.max_steps is not None:
         updates["max_steps"] = args.max_steps
-    summary = run_train(cfg.model_copy(update=updates), run, follow=args.follow, train_dir=args.out)
+    cfg = cfg.model_copy(update=updates)
+    from regen.train.features.netns import run_train_isolated, should_isolate
+
+    if should_isolate(cfg):  # a local producer pool: only loopback (regen.train.features.netns)
+        status = run_train_isolated(cfg, run, follow=args.follow, train_dir=args.out)
+        if status is not None:
+            return status
+    summary = run_train(cfg, run, follow=args.follow, train_dir=args.out)
     if summary.get("rank", 0) == 0:
         print(json.dumps({k: v for k, v in summary.items() if k != "history"}, indent=2))
     return 0
@@ -231,7 +238,7 @@ def prepare_microbatch(mb, seed: int, draft_cfg, device, t2d=None):
     anchors, keep = sample_anchors(mb.loss_mask, draft_cfg.num_anchors, gen)  # an anchor token is only an input
     loss_mask = mb.loss_mask if t2d is None else mb.loss_mask & t2d.cpu()[mb.input_ids]
     batch = {"input_ids": mb.input_ids.to(device), "loss_mask": loss_mask.to(device),
-             "attention_mask": mb.attention_mask.to(device)}
+             "attention_mask": mb.attention_mask.to(device), "key": (mb.epoch, mb.index)}
     return batch, anchors.to(device), keep.to(device)
 
 
@@ -267,7 +274,7 @@ def train_step(model, target, opt, microbatches, *, loss_weights=(0.1, 0.9, 1.0)
     for i, (batch, anchors, keep) in enumerate(microbatches):
         set_gradient_sync(model, i == len(microbatches) - 1)
         tt = time.perf_counter()
-        features = target.features(batch["input_ids"], batch["attention_mask"])
+        features = target.features_of(batch)
         t_target += time.perf_counter() - tt
         loss, m = model(batch, features, anchors, keep, weights=loss_weights)
         if loss_normalization == "micro_batch":
@@ -354,8 +361,17 @@ def _train(cfg, run, info, target_path: Path, train_dir: Path, *, follow: bool,
     # -- target (frozen) ------------------------------------------------------------------------------------
     draft_cfg = build_draft_config(cfg, AutoConfig.from_pretrained(str(target_path), local_files_only=True))
     contract = TargetContract.from_draft_config(draft_cfg)
-    target = TargetFeatures.from_pretrained(target_path, contract, dtype=_dtype(cfg.target_dtype, info.device),
-                                            device=info.device)
+    target_dtype = _dtype(cfg.target_dtype, info.device)
+    if cfg.features == "producers":  # only embeddings, final norm and LM head: features come from producers
+        from regen.train.target_head import TargetHead
+
+        target = TargetHead.from_pretrained(target_path, dtype=target_dtype, device=info.device,
+                                            keys=cfg.target_head_keys or None)
+        contract = contract.for_model(target.config)
+    else:
+        target = TargetFeatures.from_pretrained(target_path, contract, dtype=target_dtype, device=info.device)
+    if info.is_main:
+        log.info("target in each rank (train.features=%s): %.1f MiB", cfg.features, target.memory_bytes / 2**20)
     manifest_path = Path(run.shards) / "manifest.json"
     if manifest_path.exists():
         shards_manifest = json.loads(manifest_path.read_text())
@@ -405,12 +421,39 @@ def _train(cfg, run, info, target_path: Path, train_dir: Path, *, follow: bool,
             log.info("resumed from %s at step %d", resume_from, step)
     training_meta = {"profile_train": cfg.model_dump(), "target": str(target_path), "world_size": info.world_size,
                      "shards_manifest": str(manifest_path), "draft_vocab": vocab_report}
+    num_epochs = cfg.epochs if cfg.epochs > 0 else None  # ends at the first of max_steps and epochs
+    pool, source = None, target
+    if cfg.features == "producers":
+        from regen.train.features.pool import FeaturePool
+
+        pool = FeaturePool.for_training(
+            cfg, info=info, run=run, follow=follow, feed_cfg=feed_config(cfg), feed_state=feed.state_dict(),
+            dtype=str(target_dtype).removeprefix("torch."), head=target, contract=contract, train_dir=train_dir,
+            target_path=str(target_path), num_epochs=num_epochs,
+            num_steps=min(total_steps - step, stop_after_steps) if stop_after_steps else total_steps - step)
+        source = pool.features
+    try:
+        return _loop(cfg, info, train_dir, model, source, pool, opt, sched, feed, draft_cfg, t2d, step, total_steps,
+                     num_epochs, resume_from, training_meta, vocab_report, stop_after_steps, target)
+    finally:
+        if pool is not None:
+            pool.close()
+
+
+def _loop(cfg, info, train_dir, model, source, pool, opt, sched, feed, draft_cfg, t2d, step, total_steps, num_epochs,
+          resume_from, training_meta, vocab_report, stop_after_steps, target) -> dict:
+    """The loop and the final checkpoint of `_train` (features from `source`: in process or `pool`'s)."""
+    import torch
+
+    from regen.train.checkpoint import save_checkpoint
+    from regen.train.parallel import all_reduce_sum
+
+    seed = cfg.seed
 
     # -- loop -----------------------------------------------------------------------------------------------
     history, t_start = [], time.perf_counter()
-    totals = torch.zeros(3, dtype=torch.float64)  # tokens, target seconds, step seconds (this rank)
+    totals = torch.zeros(4, dtype=torch.float64)  # tokens, target seconds, step seconds, feature fetch seconds
     ckpt, steps_here = resume_from, 0
-    num_epochs = cfg.epochs if cfg.epochs > 0 else None  # ends at the first of max_steps and epochs
     train_dir.mkdir(parents=True, exist_ok=True)
     steps = feed.steps(num_epochs=num_epochs)
     while step < total_steps and (stop_after_steps is None or steps_here < stop_after_steps):
@@ -418,13 +461,18 @@ def _train(cfg, run, info, target_path: Path, train_dir: Path, *, follow: bool,
         if batch_step is None:
             break
         t0 = time.perf_counter()
+        zero = pool.fetch_step(batch_step.microbatches) if pool is not None else set()
+        fetch_s = time.perf_counter() - t0
         mbs = [prepare_microbatch(mb, seed, draft_cfg, info.device, t2d) for mb in batch_step.microbatches]
-        m = train_step(model, target, opt, mbs, loss_weights=tuple(cfg.loss_weights), grad_clip=cfg.grad_clip,
+        for b, _, _ in mbs:
+            if b["key"] in zero:  # its features failed on every attempt: trained with zero weight, ranks in step
+                b["loss_mask"] = torch.zeros_like(b["loss_mask"])
+        m = train_step(model, source, opt, mbs, loss_weights=tuple(cfg.loss_weights), grad_clip=cfg.grad_clip,
                        loss_normalization=cfg.loss_normalization)
         sched.step()
         step, steps_here = step + 1, steps_here + 1
         step_s = time.perf_counter() - t0
-        totals += torch.tensor([m["tokens"], m["target_s"], step_s], dtype=torch.float64)
+        totals += torch.tensor([m["tokens"], m["target_s"], step_s, fetch_s], dtype=torch.float64)
         if cfg.log_samples:
             with open(train_dir / f"samples-rank{info.rank}.jsonl", "a", encoding="utf-8") as f:
                 ids = [sid for mb in batch_step.microbatches for sid in mb.sample_ids]
@@ -456,9 +504,14 @@ def _train(cfg, run, info, target_path: Path, train_dir: Path, *, follow: bool,
         "loss_first": history[0]["loss"] if history else None, "loss_last": history[-1]["loss"] if history else None,
         "tau_probabilistic_last": history[-1]["tau_probabilistic"] if history else None,
         "checkpoint": str(ckpt), "feed": feed.state_dict(), "feed_stats": feed.stats, "seed": seed,
-        "draft_vocab": vocab_report,
+        "draft_vocab": vocab_report, "features_from": cfg.features,
+        "target_memory_bytes_per_rank": target.memory_bytes,
         "history": history,
     }
+    if pool is not None:
+        summary["features"] = pool.report(float(totals[2]) / info.world_size)
+        summary["features"]["fetch_s"] = float(totals[3]) / info.world_size
+        summary["features"]["data_wait_fraction"] = float(totals[3] / totals[2]) if totals[2] > 0 else 0.0
     if info.is_main:
         from schemas.io import write_json_atomic
 

@@ -104,6 +104,27 @@ def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def raise_if_any_rank_failed(error: BaseException | None) -> None:
+    """Collective: when any rank passes an error, every rank raises (rank 0's kind, every rank's message), so a
+    failure on one rank stops the job cleanly instead of leaving the others in the next collective until the
+    process-group timeout. `error` None = this rank is fine. World size 1: re-raises `error`."""
+    if dist.get_world_size() == 1:
+        if error is not None:
+            raise error
+        return
+    flag = torch.tensor([0 if error is None else 1], dtype=torch.int64)
+    dist.all_reduce(flag)
+    if int(flag) == 0:
+        return
+    msgs: list = [None] * dist.get_world_size()
+    dist.all_gather_object(msgs, None if error is None else (type(error).__name__, str(error)))
+    if error is not None:
+        raise error
+    from regen.errors import InputError
+
+    raise InputError("; ".join(f"rank {r}: {m[1]}" for r, m in enumerate(msgs) if m is not None))
+
+
 def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
     """Clip the global gradient norm of the (sharded) trainable parameters; returns the norm before clipping."""
     params = [p for p in model.parameters() if p.grad is not None]

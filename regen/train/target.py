@@ -227,6 +227,16 @@ class TargetFeatures:
         self._captured.clear()
         return taps, out.last_hidden_state
 
+    def features_of(self, batch: dict):
+        """`features(batch["input_ids"], batch["attention_mask"])`: the trainer's call (`regen.train.loop.train_step`),
+        shared with the producer path's `regen.train.features.client.RemoteFeatures.features_of`."""
+        return self.features(batch["input_ids"], batch["attention_mask"])
+
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes of the target's parameters and buffers in this process."""
+        return sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))
+
     def logits(self, last_hidden):
         """lm_head(last_hidden) in float32 (+ final logit soft-capping when the target has it)."""
         import torch

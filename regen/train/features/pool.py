@@ -1,0 +1,298 @@
+"""The trainer's side of the producer path, set up and torn down in one place: store, dispatcher, local producers.
+
+`FeaturePool.start(...)` is collective (every trainer rank calls it):
+
+1. sizes: the largest object (`train.max_tokens` padded tokens of `max_batch` rows), the byte budget, each rank's
+   segment and transfer buffer; a budget or segment too small for one object is an InputError here, before any
+   work;
+2. the store: rank 0 starts a local `mooncake_master` on loopback (`store.master: local`) or takes the named one;
+   every rank connects and mounts its segment; rank 0 removes objects an earlier (killed) run of the same
+   training directory left under this run's key prefix;
+3. rank 0 starts the dispatcher (`regen.train.features.dispatcher`) over its own copy of the feed at the resume
+   position and writes `<train dir>/features/dispatcher.json` (URL, session, store) for producers started
+   elsewhere;
+4. rank 0 starts `producers.num_local` producer processes (`regen.train.features.producer`, the train.target
+   checkpoint, logs in `<train dir>/features/producer-N.log`), which die with it;
+5. every rank gets a `RemoteFeatures` on the dispatcher's URL.
+
+`close()` ends the producers, removes this run's objects, stops the dispatcher and the master. `report()` is the
+producer/trainer balance for the log and summary: data-wait fraction, feature bytes/s, rows/s each side can do.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from regen.errors import InputError
+from regen.train.features.contract import FeatureSpec, _PREFIX, header_reserve, tensor_nbytes
+
+log = logging.getLogger(__name__)
+MIN_SEGMENT_BYTES = 16 << 20  # Mooncake refuses smaller segments (client_buffer_allocation.cpp)
+
+
+def largest_object_bytes(spec: FeatureSpec, max_tokens: int, max_batch: int) -> int:
+    """The largest feature object the feed can ask for: `max_tokens` padded tokens in `max_batch` rows at most."""
+    return _PREFIX.size + header_reserve(max_batch) + tensor_nbytes(1, max_tokens, spec.num_taps,
+                                                                    spec.target_hidden_size, spec.dtype)
+
+
+def namespace_for(train_dir: Path) -> str:
+    """The store key prefix of one training directory: the same across restarts, so a resumed run finds what a
+    killed one left."""
+    return "regen/" + hashlib.sha256(str(Path(train_dir).resolve()).encode()).hexdigest()[:16]
+
+
+class _StoreWatch(threading.Thread):
+    """Rank 0: the store's own allocated bytes (master metrics), sampled every `period_s`: max and series."""
+
+    def __init__(self, metrics_url: str, period_s: float = 0.25):
+        super().__init__(name="store-watch", daemon=True)
+        self.metrics_url, self.period_s = metrics_url, period_s
+        self.max_allocated = 0.0
+        self.samples: list[tuple[float, float]] = []
+        self.stop_event = threading.Event()
+        self.t0 = time.monotonic()
+
+    def run(self) -> None:
+        from regen.train.features.store import store_metrics
+
+        while not self.stop_event.wait(self.period_s):
+            try:
+                m = store_metrics(self.metrics_url, timeout_s=2.0)
+            except OSError:
+                continue
+            a = m.get("allocated_bytes", 0.0)
+            self.max_allocated = max(self.max_allocated, a)
+            if len(self.samples) < 20000:
+                self.samples.append((round(time.monotonic() - self.t0, 3), a))
+
+
+class FeaturePool:
+    """See the module docstring. Attributes: `features` (RemoteFeatures, every rank), `dispatcher` (rank 0)."""
+
+    def __init__(self):
+        self.master = self.store = self.dispatcher = self.features = self.watch = None
+        self.procs: list[subprocess.Popen] = []
+        self.info = None
+        self.sizes: dict = {}
+        self.zeroed: list[dict] = []
+        self.on_failure = "error"
+
+    @classmethod
+    def start(cls, pcfg, *, info, spec: FeatureSpec, head, plan_feed, num_epochs, num_steps: int, max_tokens: int,
+              max_batch: int, train_dir: Path, target_path: str) -> "FeaturePool":
+        import torch.distributed as dist
+
+        from regen.train.features.client import RemoteFeatures
+        from regen.train.features.dispatcher import Dispatcher
+        from regen.train.features.store import MooncakeMaster, StoreClient
+
+        pool = cls()
+        pool.info = info
+        W = info.world_size
+        largest = largest_object_bytes(spec, max_tokens, max_batch)
+        budget = pcfg.budget_bytes or 8 * largest
+        seg = pcfg.store.segment_bytes_per_rank
+        seg = max(MIN_SEGMENT_BYTES, -(-budget // W) + largest) if seg is None else seg
+        buf = pcfg.store.local_buffer_bytes or max(64 << 20, 2 * largest)
+        pool.sizes = {"largest_object_bytes": largest, "budget_bytes": budget, "segment_bytes_per_rank": seg,
+                      "local_buffer_bytes": buf}
+        fix = "raise train.producers.budget_bytes (or lower train.max_tokens)"
+        if budget < largest:
+            raise InputError(f"train.producers.budget_bytes={budget:,} is smaller than one feature object: a micro-"
+                             f"batch of train.max_tokens={max_tokens} tokens is {largest:,} bytes "
+                             f"({spec.num_taps + 1} states x {spec.target_hidden_size} x {spec.dtype}); {fix}")
+        if 0 < seg < max(largest, MIN_SEGMENT_BYTES):
+            raise InputError(f"train.producers.store.segment_bytes_per_rank={seg:,} cannot hold one feature object "
+                             f"of {largest:,} bytes (and Mooncake needs at least {MIN_SEGMENT_BYTES:,}): raise it, or "
+                             "leave it null (its share of the budget)")
+        if buf < largest:
+            raise InputError(f"train.producers.store.local_buffer_bytes={buf:,} cannot hold one feature object of "
+                             f"{largest:,} bytes: raise it or leave it null")
+        train_dir = Path(train_dir)
+        fdir = train_dir / "features"
+        try:
+            master_addr, metrics_url = pcfg.store.master, pcfg.store.metrics_url
+            if info.is_main:
+                fdir.mkdir(parents=True, exist_ok=True)
+                if master_addr == "local":
+                    pool.master = MooncakeMaster(fdir / "mooncake_master.log").start()
+                    master_addr, metrics_url = pool.master.address, pool.master.metrics_url
+            box = [(master_addr, metrics_url)]
+            if W > 1:
+                dist.broadcast_object_list(box, src=0)
+            master_addr, metrics_url = box[0]
+            pool.store = StoreClient(master_addr, segment_bytes=seg, local_buffer_bytes=buf,
+                                     protocol=pcfg.store.protocol, hostname=pcfg.store.hostname,
+                                     device=pcfg.store.device)
+            segments = [None] * W
+            if W > 1:
+                dist.all_gather_object(segments, pool.store.segment)
+            else:
+                segments = [pool.store.segment]
+            url = None
+            if info.is_main:
+                left = pool.store.remove_prefix(spec.namespace + "/")
+                if left:
+                    log.warning("removed %d feature object(s) an earlier run of %s left in the store", left, train_dir)
+                pool.sizes["objects_left_by_earlier_run"] = left
+                store_info = {"master": master_addr, "protocol": pcfg.store.protocol,
+                              "local_buffer_bytes": buf, "target": str(target_path), "metrics_url": metrics_url}
+                holder = {}
+                stream = plan_feed.plan(num_epochs, num_steps, lambda e, r: holder["d"].drop(e, r))
+                pool.dispatcher = holder["d"] = Dispatcher(
+                    stream, spec, store=pool.store, segments=segments, budget_bytes=budget,
+                    max_ahead=pcfg.max_ahead, max_attempts=pcfg.max_attempts, lease_timeout_s=pcfg.lease_timeout_s,
+                    heartbeat_s=pcfg.heartbeat_s, put_release_s=pcfg.store.put_release_s, store_info=store_info,
+                    host=pcfg.dispatcher_host, port=pcfg.dispatcher_port).start()
+                url = pool.dispatcher.url
+                from schemas.io import write_json_atomic
+
+                write_json_atomic({"url": url, "session": pool.dispatcher.session, "namespace": spec.namespace,
+                                   "store": store_info, "pid": os.getpid()}, fdir / "dispatcher.json")
+                if metrics_url:
+                    pool.watch = _StoreWatch(metrics_url)
+                    pool.watch.start()
+                pool._spawn_local(pcfg, url, fdir)
+            box = [url]
+            if W > 1:
+                dist.broadcast_object_list(box, src=0)
+            pool.features = RemoteFeatures(box[0], pool.store, spec, head, info.device,
+                                           no_producer_timeout_s=pcfg.no_producer_timeout_s,
+                                           startup_timeout_s=pcfg.startup_timeout_s)
+        except BaseException:
+            pool.close()
+            raise
+        log.info("feature pool: budget %.1f MiB, largest object %.2f MiB, %d local producer(s), dispatcher %s",
+                 budget / 2**20, largest / 2**20, pcfg.num_local if info.is_main else 0, box[0])
+        return pool
+
+    def _spawn_local(self, pcfg, url: str, fdir: Path) -> None:
+        from regen.train.features.store import die_with_parent, env_for_children
+
+        env = env_for_children()
+        if pcfg.local_threads:
+            env["OMP_NUM_THREADS"] = str(pcfg.local_threads)
+        for i in range(pcfg.num_local):
+            cmd = [sys.executable, "-m", "regen.train.features.producer", "--dispatcher", url, "--name", f"local-{i}",
+                   "--device", pcfg.local_device, "--threads", str(pcfg.local_threads),
+                   "--max-len", str(pcfg.local_max_len), "--orphan-timeout-s", "30"]
+            with open(fdir / f"producer-{i}.log", "ab") as logf:
+                self.procs.append(subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                                   env=env, preexec_fn=die_with_parent))
+
+    @classmethod
+    def for_training(cls, cfg, *, info, run, follow: bool, feed_cfg, feed_state: dict, dtype: str, head, contract,
+                     train_dir: Path, target_path: str, num_epochs, num_steps: int) -> "FeaturePool":
+        """The pool of one `regen train` run (collective): the feature spec from the target's config and
+        checkpoint (features in `dtype`), the dispatcher's feed (`feed_cfg`) at `feed_state`, the training feed's
+        position after resume."""
+        from regen.train.feed import ShardFeed
+        from regen.train.target_head import target_revision
+
+        tc = getattr(head.config, "text_config", None) or head.config
+        spec = FeatureSpec(namespace_for(train_dir), contract.target_layer_ids, contract.aux_hidden_stream, dtype,
+                           int(tc.hidden_size), int(tc.num_hidden_layers), target_revision(target_path))
+        plan_feed = None
+        if info.is_main:
+            plan_feed = ShardFeed(run.shards, feed_cfg, rank=0, world_size=info.world_size,
+                                  grad_accum=cfg.grad_accum, follow=follow)
+            plan_feed.load_state_dict(feed_state)
+        pool = cls.start(cfg.producers, info=info, spec=spec, head=head, plan_feed=plan_feed, num_epochs=num_epochs,
+                         num_steps=num_steps, max_tokens=cfg.max_tokens, max_batch=cfg.max_batch,
+                         train_dir=train_dir, target_path=target_path)
+        pool.on_failure = cfg.producers.on_failure
+        return pool
+
+    def fetch_step(self, microbatches) -> set[tuple[int, int]]:
+        """Fetch one step's features on this rank (collective: every rank learns if any rank must stop). Returns
+        the (epoch, index) of micro-batches to train with a zeroed loss mask (`on_failure: zero_loss`)."""
+        from regen.train.parallel import raise_if_any_rank_failed
+
+        error, zero = None, set()
+        try:
+            for f in self.features.fetch(microbatches):
+                what = (f"the features of micro-batch {f.epoch}:{f.index} (rows {', '.join(f.sample_ids)}) failed "
+                        f"on every attempt: {f.reason}")
+                if self.on_failure == "error":
+                    raise InputError(what + " — fix the producers, or set train.producers.on_failure=zero_loss to "
+                                     "train on with that micro-batch's loss mask zeroed (counted)")
+                log.warning("%s: its loss mask is zeroed (train.producers.on_failure=zero_loss)", what)
+                self.zeroed.append({"epoch": f.epoch, "index": f.index, "sample_ids": f.sample_ids,
+                                    "reason": f.reason})
+                zero.add((f.epoch, f.index))
+        except Exception as exc:  # noqa: BLE001 - agreed on by every rank, then raised on every rank
+            error = exc
+        raise_if_any_rank_failed(error)
+        return zero
+
+    def report(self, step_s: float) -> dict:
+        """The producer-vs-trainer balance: data-wait fraction of the loop, feature bytes/s, rows/s each side."""
+        import torch.distributed as dist
+
+        f = self.features.stats
+        zeroed = [self.zeroed]
+        if self.info is not None and self.info.world_size > 1:
+            zeroed = [None] * self.info.world_size
+            dist.all_gather_object(zeroed, self.zeroed)
+        out = {"zeroed_microbatches": sorted((z for r in zeroed for z in r), key=lambda z: (z["epoch"], z["index"])),
+               "objects": f["objects"], "bytes": f["bytes"], "wait_s": round(f["wait_s"], 3),
+               "read_s": round(f["read_s"], 3), "failed_microbatches": f["failed"],
+               "data_wait_fraction": f["wait_s"] / step_s if step_s > 0 else 0.0,
+               "feature_bytes_per_s": f["bytes"] / step_s if step_s > 0 else 0.0, **self.sizes}
+        if self.dispatcher is not None:
+            st = self.dispatcher.status()
+            busy = st["stats"]["producer_busy_s"]
+            out["dispatcher"] = st["stats"]
+            out["producers"] = st["producers"]
+            out["producer_rows_per_busy_s"] = st["stats"]["completed"] / busy if busy > 0 else None
+            out["accounted_bytes_max"] = st["stats"]["max_accounted_bytes"]
+        if self.watch is not None:
+            out["store_allocated_bytes_max"] = self.watch.max_allocated
+            out["store_samples"] = len(self.watch.samples)
+        return out
+
+    def close(self) -> None:
+        if self.dispatcher is not None:
+            with self.dispatcher._lock:
+                self.dispatcher.stopping = True
+                self.dispatcher._lock.notify_all()
+        deadline = time.monotonic() + 10
+        for p in self.procs:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        if self.watch is not None:
+            self.watch.stop_event.set()
+        if self.store is not None and self.dispatcher is not None:
+            try:
+                self.store.remove_prefix(self.dispatcher.spec.namespace + "/")
+            except Exception:  # noqa: BLE001 - teardown goes on
+                log.exception("removing this run's feature objects")
+        if self.dispatcher is not None:
+            self.dispatcher.stop()
+        if self.store is not None:
+            self.store.close()
+        if self.master is not None:
+            self.master.stop()
+        self.procs, self.dispatcher, self.store, self.master = [], None, None, None
+
+
+def write_report(path: Path, report: dict) -> None:
+    from schemas.io import write_json_atomic
+
+    write_json_atomic(json.loads(json.dumps(report, default=str)), path)
