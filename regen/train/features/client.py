@@ -38,7 +38,7 @@ class RemoteFeatures:
     """Features of this rank's micro-batches from producers (see the module docstring)."""
 
     def __init__(self, url: str, store, spec: FeatureSpec, head, device, *, no_producer_timeout_s: float = 120.0,
-                 startup_timeout_s: float = 600.0, poll_s: float = 5.0):
+                 startup_timeout_s: float = 600.0, poll_s: float = 2.0):
         self.url, self.store, self.spec, self.head, self.device = url, store, spec, head, device
         self.no_producer_timeout_s, self.startup_timeout_s, self.poll_s = no_producer_timeout_s, startup_timeout_s, poll_s
         self._cache: dict[tuple[int, int], tuple] = {}

@@ -72,6 +72,7 @@ class Producer:
     last_seen: float
     leases: set = field(default_factory=set)
     completed: int = 0
+    rows: int = 0
     failed: int = 0
     busy_s: float = 0.0
     alive: bool = True
@@ -108,9 +109,9 @@ class Dispatcher:
         self.t_last_alive = self.t_start
         self.ever_registered = False
         self.stats = {"planned": 0, "leased": 0, "completed": 0, "stale_completions": 0, "failures": 0,
-                      "lease_expiries": 0, "items_failed": 0, "consumed": 0, "dropped": 0, "bytes_consumed": 0,
+                      "lease_expiries": 0, "items_failed": 0, "rows_completed": 0, "consumed": 0, "dropped": 0, "bytes_consumed": 0,
                       "max_accounted_bytes": 0, "producer_busy_s": 0.0, "wait_s": 0.0}
-        self._server = ThreadingHTTPServer((host, port), _handler(self))
+        self._server = _Server((host, port), _handler(self))
         self._server.daemon_threads = True
         self.host, self.port = self._server.server_address[:2]
         self._threads = [threading.Thread(target=self._server.serve_forever, name="dispatcher-http", daemon=True),
@@ -282,7 +283,9 @@ class Dispatcher:
             item.t_ready = time.monotonic()
             if p is not None:
                 p.completed += 1
+                p.rows += len(item.sample_ids)
             self.stats["completed"] += 1
+            self.stats["rows_completed"] += len(item.sample_ids)
             self._lock.notify_all()
             return {"ok": True}
 
@@ -401,9 +404,16 @@ class Dispatcher:
                     "accounted_bytes": self.accounted_bytes(), "budget_bytes": self.budget_bytes,
                     "stats": dict(self.stats), "elapsed_s": time.monotonic() - self.t_start,
                     "producers": [{"id": p.id, "alive": p.alive, "leases": len(p.leases), "completed": p.completed,
-                                   "failed": p.failed, "busy_s": round(p.busy_s, 3), "pid": p.info.get("pid"),
+                                   "rows": p.rows, "failed": p.failed, "busy_s": round(p.busy_s, 3), "pid": p.info.get("pid"),
                                    "host": p.info.get("host"), "engine": p.info.get("engine")}
                                   for p in self.producers.values()]}
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address):  # a dropped connection is a dead peer, not a server fault
+        log.debug("dispatcher: connection from %s ended abruptly", client_address, exc_info=True)
 
 
 def _handler(d: Dispatcher):
@@ -439,11 +449,14 @@ def _handler(d: Dispatcher):
 
         def _send(self, code: int, obj: dict) -> None:
             data = json.dumps(obj).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            try:
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+            except (BrokenPipeError, ConnectionResetError):  # the caller died (a killed producer): nothing to say
+                self.close_connection = True
 
         def do_GET(self):  # noqa: N802
             self._serve("GET")

@@ -187,6 +187,10 @@ class FeaturePool:
             with open(fdir / f"producer-{i}.log", "ab") as logf:
                 self.procs.append(subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                                    env=env, preexec_fn=die_with_parent))
+        from schemas.io import write_json_atomic
+
+        write_json_atomic([{"name": f"local-{i}", "pid": p.pid, "log": str(fdir / f"producer-{i}.log")}
+                           for i, p in enumerate(self.procs)], fdir / "producers.json")
 
     @classmethod
     def for_training(cls, cfg, *, info, run, follow: bool, feed_cfg, feed_state: dict, dtype: str, head, contract,
@@ -249,10 +253,12 @@ class FeaturePool:
                "feature_bytes_per_s": f["bytes"] / step_s if step_s > 0 else 0.0, **self.sizes}
         if self.dispatcher is not None:
             st = self.dispatcher.status()
-            busy = st["stats"]["producer_busy_s"]
             out["dispatcher"] = st["stats"]
             out["producers"] = st["producers"]
-            out["producer_rows_per_busy_s"] = st["stats"]["completed"] / busy if busy > 0 else None
+            # what the pool can give: each producer's rows per second of its own work, summed over the live ones
+            each = [p["rows"] / p["busy_s"] for p in st["producers"] if p["busy_s"] > 0 and p["alive"]]
+            out["producer_rows_per_s"] = sum(each) if each else None
+            out["producer_rows_per_s_each"] = [round(x, 3) for x in each]
             out["accounted_bytes_max"] = st["stats"]["max_accounted_bytes"]
         if self.watch is not None:
             out["store_allocated_bytes_max"] = self.watch.max_allocated

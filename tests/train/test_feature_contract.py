@@ -1,0 +1,106 @@
+"""The feature object: layout round trip, and every contract field checked by the consumer."""
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import torch
+
+from regen.train.features.contract import (
+    FeatureContractError, FeatureSpec, check_header, decode, encode, layer_ids_in, make_header, object_nbytes,
+    read_header)
+
+SPEC = FeatureSpec("regen/test", (1, 3, 5), "prefix", "float32", 16, 8, "rev-a")
+PRODUCER = {"id": "p0-host-1", "engine": "transformers", "engine_version": "5.x", "host": "host", "pid": 1}
+
+
+def _batch(B=2, S=7, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 500, (B, S), generator=g)
+    mask = torch.ones(B, S, dtype=torch.bool)
+    mask[1, 5:] = False
+    return ids, mask
+
+
+def _object(spec=SPEC, **over):
+    """(object bytes, size, ids, mask, taps, last); `over` rewrites header fields after encoding, as a producer of
+    another engine or settings would have written them."""
+    ids, mask = _batch()
+    header = make_header(spec, epoch=1, index=4, attempt=0, sample_ids=["a", "b"], input_ids=ids,
+                         attention_mask=mask, producer=PRODUCER, stream_reading="test")
+    dt = getattr(torch, spec.dtype)
+    taps = torch.randn(2, 7, spec.num_taps * spec.target_hidden_size).to(dt)
+    last = torch.randn(2, 7, spec.target_hidden_size).to(dt)
+    parts, n = encode(header, taps, last)
+    blob = b"".join(bytes(p) for p in parts)
+    if over:
+        h = {**read_header(blob), **over}
+        text = json.dumps(h).encode()
+        reserve = h["tensors"]["taps"]["offset"] - 16
+        blob = struct.pack("<8sQ", b"RGNFEAT1", len(text)) + text + bytes(reserve - len(text)) + blob[16 + reserve:]
+    return blob, n, ids, mask, taps, last
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_round_trip_is_exact_and_sized_in_advance(dtype):
+    spec = FeatureSpec("regen/test", (1, 3, 5), "prefix", dtype, 16, 8, "rev-a")
+    blob, n, ids, mask, taps, last = _object(spec)
+    assert len(blob) == n == object_nbytes(2, 7, spec)  # the budget counts exactly what is stored
+    header = read_header(blob)
+    check_header(header, spec, epoch=1, index=4, input_ids=ids, attention_mask=mask)
+    t, h = decode(bytearray(blob), header)
+    assert torch.equal(t, taps) and torch.equal(h, last) and t.dtype == getattr(torch, dtype)
+
+
+@pytest.mark.parametrize("field,value,expect", [
+    ("namespace", "regen/other", "namespace"),
+    ("epoch", 2, "epoch"),
+    ("index", 5, "index"),
+    ("layer_ids", [1, 3, 6], "layer_ids"),  # a tap off by one (TorchSpec #87)
+    ("layer_id_convention", "vllm_capture", "layer_ids"),  # vLLM ids without the shift
+    ("layer_id_convention", "sglang", "layer_id_convention"),
+    ("aux_hidden_stream", "attn_res", "aux_hidden_stream"),  # right shape, wrong stream
+    ("last_hidden_norm", "unknown", "last_hidden_norm"),
+    ("dtype", "bfloat16", "dtype"),
+    ("target_hidden_size", 32, "target_hidden_size"),
+    ("target_num_hidden_layers", 9, "target_num_hidden_layers"),
+    ("target_revision", "rev-b", "target_revision"),
+    ("producer", {}, "producer"),
+])
+def test_every_contract_field_is_checked(field, value, expect):
+    blob, _, ids, mask, _, _ = _object(**{field: value})
+    with pytest.raises(FeatureContractError, match=rf"{expect}.*restart the producer") as err:
+        check_header(read_header(blob), SPEC, epoch=1, index=4, input_ids=ids, attention_mask=mask)
+    assert "micro-batch 1:4" in str(err.value) and ("p0-host-1" in str(err.value) or field == "producer")
+
+
+def test_other_tokens_or_padding_are_caught():
+    blob, _, ids, mask, _, _ = _object()
+    header = read_header(blob)
+    other = ids.clone()
+    other[0, 3] += 1
+    with pytest.raises(FeatureContractError, match="tokens_sha256"):
+        check_header(header, SPEC, epoch=1, index=4, input_ids=other, attention_mask=mask)
+    with pytest.raises(FeatureContractError, match="tokens_sha256"):
+        check_header(header, SPEC, epoch=1, index=4, input_ids=ids, attention_mask=torch.ones_like(mask))
+
+
+def test_vllm_capture_ids_are_shifted_and_end_with_the_last_layer():
+    assert layer_ids_in("vllm_capture", (1, 3, 5), 8) == [2, 4, 6, 8]
+    ids, mask = _batch()
+    header = make_header(SPEC, epoch=1, index=4, attempt=0, sample_ids=["a", "b"], input_ids=ids, attention_mask=mask,
+                         producer=PRODUCER, stream_reading="vllm", last_hidden_norm="pre_final_norm",
+                         layer_id_convention="vllm_capture")
+    taps, last = torch.zeros(2, 7, 48), torch.zeros(2, 7, 16)
+    parts, _ = encode(header, taps, last)
+    check_header(read_header(b"".join(bytes(p) for p in parts)), SPEC, epoch=1, index=4, input_ids=ids,
+                 attention_mask=mask)
+
+
+def test_foreign_and_cut_objects_are_refused():
+    blob, *_ = _object()
+    with pytest.raises(FeatureContractError, match="magic"):
+        read_header(b"X" * 64)
+    with pytest.raises(FeatureContractError, match="bytes, its header says"):
+        read_header(blob[:-1])
