@@ -53,6 +53,7 @@ import numpy as np
 
 from regen.config import Profile, resolve_path
 from regen.errors import InputError
+from regen.plan_features import feature_plan
 from regen.preflight import PreflightError, check_profile, effective_render_config
 from regen.rundir import RunDir
 from schemas.io import write_json_atomic
@@ -324,7 +325,9 @@ def draft_plan(profile: Profile, a, shard_tokens: float) -> dict:
     epochs = t.epochs or 1
     D = shard_tokens * epochs
     n_target = a["target_active_params"]
-    flops = 6 * p_train * D + 2 * n_target * D
+    producers = t.features == "producers"  # the target's forward runs on the producers' GPUs, not the trainer's
+    target_flops = 2 * n_target * D
+    flops = 6 * p_train * D + (0 if producers else target_flops)
     seconds = flops / (W * a["gpu_peak_tflops"] * 1e12 * a["mfu"])
     return {
         "target_config": source, "params_trainable": p_train, "params_frozen": p_frozen,
@@ -333,8 +336,11 @@ def draft_plan(profile: Profile, a, shard_tokens: float) -> dict:
         "memory_per_gpu_gib": {k: round(v / GiB, 2) for k, v in mem.items()} | {"total": round(sum(mem.values()) / GiB, 2)},
         "memory_formulas": formulas, "micro_batch_tokens": T, "world_size": W,
         "training_tokens": int(D), "epochs": epochs, "training_flops": flops,
-        "flops_formula": (f"6 x {p_train:,} x {int(D):,} + 2 x {int(n_target):,} x {int(D):,}"
-                          + ("" if n_target else " (target forward not counted: plan.target_active_params is 0)")),
+        "flops_formula": (f"6 x {p_train:,} x {int(D):,}" + (
+            f" (the target's forward, 2 x {int(n_target):,} x {int(D):,} = {target_flops:.3e}, runs on the "
+            "producers' GPUs)" if producers else f" + 2 x {int(n_target):,} x {int(D):,}"
+            + ("" if n_target else " (target forward not counted: plan.target_active_params is 0)"))),
+        "producer_flops": target_flops if producers else 0.0,
         "training_hours": round(seconds / 3600, 2),
         "time_formula": f"FLOPs / ({W} x {a['gpu_peak_tflops']} TFLOPS x {a['mfu']} MFU)",
     }
@@ -499,6 +505,7 @@ def build_plan(profile: Profile, run: RunDir, *, pilot: int = 0, sample: int = 2
                               "x keep, supervised = rows x supervised per row, prompt side = rows x (rendered "
                               "fixed part + earlier turns' supervised tokens) x the pilot's real/estimated ratio"},
         "draft": draft_plan(profile, a, shard_tokens) if profile.train.draft_preset else {},
+        "features": feature_plan(profile, a, target_config(profile)[0], rows, shard_tokens),
         "strata": {k: {"units": round(s["units"] * scale), "requested": round(s["requested"], 1),
                        "prompt_side_mean": round(s["side_mean"], 1), **{n: round(v, 4) for n, v in s["rate"].items()}}
                    for k, s in sorted(strata.items())},
@@ -551,6 +558,10 @@ def print_plan(plan: dict) -> None:
                  ["training time", f"{d['training_hours']:,} h", d["time_formula"]]]
     elif d:
         rows.append(["draft", "-", d.get("note", "")])
+    if plan.get("features"):
+        from regen.plan_features import rows as feature_rows
+
+        rows += feature_rows(plan["features"])
     print_table(["figure", "value", "how"], rows, title="plan")
     for p in plan["preflight_problems"]:
         print(f"preflight (would stop `regen run`): {p}")

@@ -191,6 +191,34 @@ def check_train(profile: Profile, rep: Report) -> None:
         rep.bad(f"train.target_layer_ids {t.target_layer_ids}: the target {path} has {layers} layers (ids 0..{layers - 1})")
         return
     rep.ok(f"train.target {path}: config.json loads ({layers} layers)")
+    if t.features == "producers":
+        check_features(t, text, rep)
+
+
+def check_features(t, target_config: dict, rep: Report) -> None:
+    """`train.features: producers`: the Mooncake store imports, the pool's addresses name no unset variable, and
+    the byte budget, segments and buffers hold one feature object (regen.train.features.pool.sizes_for)."""
+    from regen.train.features.pool import expanded, sizes_for
+
+    try:
+        import mooncake.store  # noqa: F401
+    except ImportError as exc:
+        from regen.train.features.store import INSTALL_HINT
+
+        rep.bad(f"train.features=producers: the Mooncake store does not import ({exc}): {INSTALL_HINT}")
+    p = t.producers
+    try:
+        for field, value in (("store.master", p.store.master), ("store.metrics_url", p.store.metrics_url),
+                             ("store.hostname", p.store.hostname), ("dispatcher_host", p.dispatcher_host)):
+            expanded(value, field)
+        taps = len(t.target_layer_ids) or 3
+        dtype = "bfloat16" if t.target_dtype == "bfloat16" else "float32"  # `auto` checked at its largest, fp32
+        sizes = sizes_for(p, taps, int(target_config.get("hidden_size") or 0), dtype, 1, t.max_tokens, t.max_batch)
+    except InputError as exc:
+        rep.bad(str(exc))
+        return
+    rep.ok(f"train.features=producers: budget {sizes['budget_bytes']:,} B holds the largest feature object "
+           f"({sizes['largest_object_bytes']:,} B)")
 
 
 def models_problem(base_url: str, model: str, api_key: str | None, timeout_s: float) -> str | None:

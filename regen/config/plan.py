@@ -26,4 +26,12 @@ class PlanConfig(BaseModel):
     gpu_peak_tflops: float = 989.0  # dense bf16 peak per GPU (H100 SXM: 989)
     mfu: float = 0.3  # model FLOPs utilisation assumed for training time
     target_active_params: float = 0.0  # parameters active per token in the target's forward (0: from its config)
+    # feature producers (train.features: producers; regen.plan_features): stated assumptions until measured
+    target_total_params: float = Field(0.0, description="all of the target's parameters (its memory in a rank "
+                                       "when features are computed in process)")
+    trainer_seconds_per_row: float = Field(0.0, ge=0, description="one trainer GPU's time per row (draft forward "
+                                           "and backward at train.num_anchors), assumed")
+    producer_prefill_tokens_per_s: float = Field(0.0, ge=0, description="prefill tokens/s of one producer engine "
+                                                 "with hidden-state capture, assumed")
+    producer_gpus_per_engine: int = Field(1, ge=1, description="GPUs one producer engine owns (TP x PP)")
     note: str = ""  # where the assumptions come from (printed with the plan)

@@ -40,6 +40,17 @@ def test_kimi_k3_plans_without_a_request(k3_env, monkeypatch, tmp_path, capsys):
         8 * d["params_trainable"] / 8 / 2 ** 30, abs=0.01)
     assert any("REGEN_API_KEY" in p for p in plan["preflight_problems"])
     assert "server-hours =" in out and "memory/GPU optimizer" in out
+    # the target's forward runs on the producers (issue 19): not in the trainer's FLOPs, stated beside them
+    assert d["training_flops"] == pytest.approx(6 * d["params_trainable"] * d["training_tokens"])
+    assert d["producer_flops"] == pytest.approx(2 * 32e9 * d["training_tokens"]) and "producers' GPUs" in out
+    f = plan["features"]
+    assert f["features_from"] == "producers" and f["bytes_per_token"] == 6 * 7168 * 2  # 84 KiB: 5 taps + last
+    assert f["largest_object_bytes"] == 32768 * 86016 and f["store_budget_bytes"] == 256 * 2 ** 30
+    assert f["target_memory_per_rank_bytes"] == (163840 * 7168 * 2 + 7168) * 2  # embeddings, LM head, norm
+    rows_s = 8 / 1.0
+    assert f["producer_engines"] == -(-int(rows_s * f["tokens_per_row_mean"]) // 40000)
+    assert f["producer_gpus"] == 16 * f["producer_engines"] and "(assumed)" in f["balance_formula"]
+    assert "feature bytes / token" in out and "84.0 KiB" in out
 
 
 def test_local_plans_without_a_request(tmp_path):
@@ -49,6 +60,12 @@ def test_local_plans_without_a_request(tmp_path):
     assert plan["units"] >= plan["prompts"] == 60 and plan["pilot"] is None
     assert plan["draft"]["params_trainable"] > 0 and plan["draft"]["target_config"].startswith("measured")
     assert not (tmp_path / "run" / "generations").exists()
+    f = plan["features"]  # in process: the whole target in the rank, counted in its checkpoint
+    assert f["features_from"] == "in_process" and "counted in its checkpoint" in f["target_memory_formula"]
+    assert f["target_memory_per_rank_bytes"] > 100e6
+    profile = load_profile("local", {"select.total": 60, "train.features": "producers"})
+    g = build_plan(profile, RunDir.at(tmp_path / "run"), log=quiet)["features"]
+    assert g["target_memory_per_rank_bytes"] < f["target_memory_per_rank_bytes"] / 2  # the head only (tied)
 
 
 @pytest.fixture

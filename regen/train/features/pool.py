@@ -31,16 +31,47 @@ import time
 from pathlib import Path
 
 from regen.errors import InputError
-from regen.train.features.contract import FeatureSpec, _PREFIX, header_reserve, tensor_nbytes
+from regen.train.features.contract import _PREFIX, FeatureSpec, header_reserve
 
 log = logging.getLogger(__name__)
 MIN_SEGMENT_BYTES = 16 << 20  # Mooncake refuses smaller segments (client_buffer_allocation.cpp)
 
 
-def largest_object_bytes(spec: FeatureSpec, max_tokens: int, max_batch: int) -> int:
-    """The largest feature object the feed can ask for: `max_tokens` padded tokens in `max_batch` rows at most."""
-    return _PREFIX.size + header_reserve(max_batch) + tensor_nbytes(1, max_tokens, spec.num_taps,
-                                                                    spec.target_hidden_size, spec.dtype)
+def expanded(value: str | None, field: str) -> str | None:
+    """`value` with ${ENV} expanded; InputError naming `field` when a variable is unset."""
+    if value is None:
+        return None
+    out = os.path.expandvars(str(value))
+    if "$" in out:
+        raise InputError(f"train.producers.{field}={value!r} names an unset environment variable: export it")
+    return out
+
+
+def sizes_for(pcfg, spec_num_taps: int, hidden: int, dtype: str, world_size: int, max_tokens: int,
+              max_batch: int) -> dict:
+    """Object, budget, segment and buffer sizes of a pool (bytes), checked. Raises InputError naming the setting
+    that cannot hold one feature object."""
+    from regen.train.features.contract import DTYPES
+
+    largest = _PREFIX.size + header_reserve(max_batch) + max_tokens * (spec_num_taps + 1) * hidden * DTYPES[dtype]
+    budget = pcfg.budget_bytes or 8 * largest
+    seg = pcfg.store.segment_bytes_per_rank
+    seg = max(MIN_SEGMENT_BYTES, -(-budget // world_size) + largest) if seg is None else seg
+    buf = pcfg.store.local_buffer_bytes or max(64 << 20, 2 * largest)
+    fix = "raise train.producers.budget_bytes (or lower train.max_tokens)"
+    if budget < largest:
+        raise InputError(f"train.producers.budget_bytes={budget:,} is smaller than one feature object: a micro-"
+                         f"batch of train.max_tokens={max_tokens} tokens is {largest:,} bytes "
+                         f"({spec_num_taps + 1} states x {hidden} x {dtype}); {fix}")
+    if 0 < seg < max(largest, MIN_SEGMENT_BYTES):
+        raise InputError(f"train.producers.store.segment_bytes_per_rank={seg:,} cannot hold one feature object "
+                         f"of {largest:,} bytes (and Mooncake needs at least {MIN_SEGMENT_BYTES:,}): raise it, or "
+                         "leave it null (its share of the budget)")
+    if buf < largest:
+        raise InputError(f"train.producers.store.local_buffer_bytes={buf:,} cannot hold one feature object of "
+                         f"{largest:,} bytes: raise it or leave it null")
+    return {"largest_object_bytes": largest, "budget_bytes": budget, "segment_bytes_per_rank": seg,
+            "local_buffer_bytes": buf}
 
 
 def namespace_for(train_dir: Path) -> str:
@@ -97,29 +128,15 @@ class FeaturePool:
         pool = cls()
         pool.info = info
         W = info.world_size
-        largest = largest_object_bytes(spec, max_tokens, max_batch)
-        budget = pcfg.budget_bytes or 8 * largest
-        seg = pcfg.store.segment_bytes_per_rank
-        seg = max(MIN_SEGMENT_BYTES, -(-budget // W) + largest) if seg is None else seg
-        buf = pcfg.store.local_buffer_bytes or max(64 << 20, 2 * largest)
-        pool.sizes = {"largest_object_bytes": largest, "budget_bytes": budget, "segment_bytes_per_rank": seg,
-                      "local_buffer_bytes": buf}
-        fix = "raise train.producers.budget_bytes (or lower train.max_tokens)"
-        if budget < largest:
-            raise InputError(f"train.producers.budget_bytes={budget:,} is smaller than one feature object: a micro-"
-                             f"batch of train.max_tokens={max_tokens} tokens is {largest:,} bytes "
-                             f"({spec.num_taps + 1} states x {spec.target_hidden_size} x {spec.dtype}); {fix}")
-        if 0 < seg < max(largest, MIN_SEGMENT_BYTES):
-            raise InputError(f"train.producers.store.segment_bytes_per_rank={seg:,} cannot hold one feature object "
-                             f"of {largest:,} bytes (and Mooncake needs at least {MIN_SEGMENT_BYTES:,}): raise it, or "
-                             "leave it null (its share of the budget)")
-        if buf < largest:
-            raise InputError(f"train.producers.store.local_buffer_bytes={buf:,} cannot hold one feature object of "
-                             f"{largest:,} bytes: raise it or leave it null")
+        pool.sizes = sizes_for(pcfg, spec.num_taps, spec.target_hidden_size, spec.dtype, W, max_tokens, max_batch)
+        budget, seg, buf = (pool.sizes[k] for k in ("budget_bytes", "segment_bytes_per_rank", "local_buffer_bytes"))
+        largest = pool.sizes["largest_object_bytes"]
         train_dir = Path(train_dir)
         fdir = train_dir / "features"
         try:
-            master_addr, metrics_url = pcfg.store.master, pcfg.store.metrics_url
+            master_addr, metrics_url = expanded(pcfg.store.master, "store.master"), \
+                expanded(pcfg.store.metrics_url, "store.metrics_url")
+            hostname = expanded(pcfg.store.hostname, "store.hostname")
             if info.is_main:
                 fdir.mkdir(parents=True, exist_ok=True)
                 if master_addr == "local":
@@ -130,7 +147,7 @@ class FeaturePool:
                 dist.broadcast_object_list(box, src=0)
             master_addr, metrics_url = box[0]
             pool.store = StoreClient(master_addr, segment_bytes=seg, local_buffer_bytes=buf,
-                                     protocol=pcfg.store.protocol, hostname=pcfg.store.hostname,
+                                     protocol=pcfg.store.protocol, hostname=hostname,
                                      device=pcfg.store.device)
             segments = [None] * W
             if W > 1:
@@ -151,7 +168,7 @@ class FeaturePool:
                     stream, spec, store=pool.store, segments=segments, budget_bytes=budget,
                     max_ahead=pcfg.max_ahead, max_attempts=pcfg.max_attempts, lease_timeout_s=pcfg.lease_timeout_s,
                     heartbeat_s=pcfg.heartbeat_s, put_release_s=pcfg.store.put_release_s, store_info=store_info,
-                    host=pcfg.dispatcher_host, port=pcfg.dispatcher_port).start()
+                    host=expanded(pcfg.dispatcher_host, "dispatcher_host"), port=pcfg.dispatcher_port).start()
                 url = pool.dispatcher.url
                 from schemas.io import write_json_atomic
 

@@ -44,6 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="longest micro-batch (tokens per row) this producer runs; 0 = the model's "
                         "max_position_embeddings. Longer ones are failed back to the dispatcher")
     p.add_argument("--name", default="", help="a label for logs and the dispatcher's status")
+    p.add_argument("--hostname", default=None,
+                   help="the address this producer's store client announces (default: 127.0.0.1 when the store's "
+                        "master is on loopback, else this host's address)")
     p.add_argument("--orphan-timeout-s", type=float, default=60.0,
                    help="exit when the dispatcher is unreachable this long (0 = wait for a new one forever)")
     p.add_argument("--connect-timeout-s", type=float, default=600.0, help="wait this long for the dispatcher")
@@ -140,8 +143,10 @@ class Producer:
         tc = getattr(self.target.config, "text_config", None) or self.target.config
         self.max_len = self.args.max_len or int(getattr(tc, "max_position_embeddings", 0) or 0)
         st = config["store"]
+        hostname = self.args.hostname or ("127.0.0.1" if st["master"].startswith(("127.", "localhost"))
+                                          else socket.gethostbyname(socket.gethostname()))
         self.store = StoreClient(st["master"], segment_bytes=0, local_buffer_bytes=int(st["local_buffer_bytes"]),
-                                 protocol=st.get("protocol", "tcp"), hostname=st.get("hostname", "127.0.0.1"))
+                                 protocol=st.get("protocol", "tcp"), hostname=hostname)
         self.stream_reading = ("transformers forward hook: output of decoder layer L" if self.spec.aux_hidden_stream
                                == "prefix" else "transformers: input of layer L+1's post-attention norm "
                                "(regen.train.target's attn_res reading, not K3 AttnRes)")
