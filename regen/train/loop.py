@@ -451,7 +451,7 @@ def _loop(cfg, info, train_dir, model, source, pool, opt, sched, feed, draft_cfg
     seed = cfg.seed
 
     # -- loop -----------------------------------------------------------------------------------------------
-    history, t_start = [], time.perf_counter()
+    history, t_start, cpu_start = [], time.perf_counter(), time.process_time()
     totals = torch.zeros(5, dtype=torch.float64)  # tokens, target s, step s, feature fetch s, rows (this rank)
     ckpt, steps_here = resume_from, 0
     train_dir.mkdir(parents=True, exist_ok=True)
@@ -513,13 +513,21 @@ def _loop(cfg, info, train_dir, model, source, pool, opt, sched, feed, draft_cfg
     }
     if pool is not None:  # per rank means; rows/s of the whole job
         step_s, fetch_s, rows = float(totals[2]) / info.world_size, float(totals[3]) / info.world_size, float(totals[4])
-        summary["features"] = {**pool.report(step_s), "fetch_s": fetch_s,
-                               "data_wait_fraction": fetch_s / step_s if step_s > 0 else 0.0,
-                               "trainer_rows_per_s": rows / (step_s - fetch_s) if step_s > fetch_s else None}
+        report = pool.report(step_s)
+        busy = step_s - report["wait_s"]  # the loop without waiting for producers: features read, draft trained
+        cpu = all_reduce_sum(torch.tensor([time.process_time() - cpu_start], dtype=torch.float64))
+        steady = step_s - report["first_wait_s"]  # after the first feature object: the producers are up
+        summary["features"] = {**report, "fetch_s": fetch_s,
+                               "data_wait_fraction": report["wait_s"] / step_s if step_s > 0 else 0.0,
+                               "data_wait_fraction_after_first": (report["wait_s"] - report["first_wait_s"]) / steady
+                               if steady > 0 else 0.0,
+                               "trainer_rows_per_s": rows / busy if busy > 0 else None,
+                               "trainer_cpu_s_per_row": float(cpu) / rows if rows else None}
         if info.is_main:
             f = summary["features"]
-            log.info("features: data wait %.1f%% of the loop, %.2f MiB/s; rows/s the trainer can take %s, the "
-                     "producers give %s", 100 * f["data_wait_fraction"], f["feature_bytes_per_s"] / 2**20,
+            log.info("features: data wait %.1f%% of the loop (%.1f%% after the first object), %.2f MiB/s; rows/s "
+                     "the trainer can take %s, the producers give %s", 100 * f["data_wait_fraction"],
+                     100 * f["data_wait_fraction_after_first"], f["feature_bytes_per_s"] / 2**20,
                      _fmt(f["trainer_rows_per_s"]), _fmt(f.get("producer_rows_per_s")))
     if info.is_main:
         from schemas.io import write_json_atomic

@@ -42,7 +42,8 @@ class RemoteFeatures:
         self.url, self.store, self.spec, self.head, self.device = url, store, spec, head, device
         self.no_producer_timeout_s, self.startup_timeout_s, self.poll_s = no_producer_timeout_s, startup_timeout_s, poll_s
         self._cache: dict[tuple[int, int], tuple] = {}
-        self.stats = {"objects": 0, "bytes": 0, "wait_s": 0.0, "read_s": 0.0, "failed": 0, "pre_norm_applied": 0}
+        self.stats = {"objects": 0, "bytes": 0, "wait_s": 0.0, "first_wait_s": None, "read_s": 0.0, "failed": 0,
+                      "pre_norm_applied": 0}
 
     def _wait(self, epoch: int, index: int) -> dict:
         while True:
@@ -76,6 +77,8 @@ class RemoteFeatures:
             r = self._wait(mb.epoch, mb.index)
             t1 = time.perf_counter()
             self.stats["wait_s"] += t1 - t0
+            if self.stats["first_wait_s"] is None:  # the producers' start-up (loading the target) is waited here
+                self.stats["first_wait_s"] = t1 - t0
             if r["status"] == "error":
                 raise InputError(r["reason"])
             if r["status"] == "failed":

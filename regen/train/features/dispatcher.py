@@ -75,6 +75,7 @@ class Producer:
     rows: int = 0
     failed: int = 0
     busy_s: float = 0.0
+    cpu_s: float = 0.0
     alive: bool = True
 
 
@@ -264,13 +265,15 @@ class Dispatcher:
                 "attention_mask_b64": base64.b64encode(mask.tobytes()).decode(),
                 "preferred_segment": self.segments[item.rank] if item.rank < len(self.segments) else None}}
 
-    def complete(self, producer_id: str, lease_id: int, key: str, header: dict, busy_s: float) -> dict:
+    def complete(self, producer_id: str, lease_id: int, key: str, header: dict, busy_s: float,
+                 cpu_s: float = 0.0) -> dict:
         with self._lock:
             entry = self._leases.pop(lease_id, None)
             p = self.producers.get(producer_id)
             if p is not None:
                 p.leases.discard(lease_id)
                 p.busy_s += busy_s
+                p.cpu_s += cpu_s
                 p.last_seen = time.monotonic()
             self.stats["producer_busy_s"] += busy_s
             if entry is None or entry[0].state != "leased" or entry[0].lease_id != lease_id:
@@ -404,7 +407,8 @@ class Dispatcher:
                     "accounted_bytes": self.accounted_bytes(), "budget_bytes": self.budget_bytes,
                     "stats": dict(self.stats), "elapsed_s": time.monotonic() - self.t_start,
                     "producers": [{"id": p.id, "alive": p.alive, "leases": len(p.leases), "completed": p.completed,
-                                   "rows": p.rows, "failed": p.failed, "busy_s": round(p.busy_s, 3), "pid": p.info.get("pid"),
+                                   "rows": p.rows, "failed": p.failed, "busy_s": round(p.busy_s, 3),
+                                   "cpu_s": round(p.cpu_s, 3), "pid": p.info.get("pid"),
                                    "host": p.info.get("host"), "engine": p.info.get("engine")}
                                   for p in self.producers.values()]}
 
@@ -424,7 +428,7 @@ def _handler(d: Dispatcher):
         ("POST", "/heartbeat"): lambda q: d.heartbeat(q["producer_id"]),
         ("POST", "/lease"): lambda q: d.lease(q["producer_id"], float(q.get("wait_s", 0))),
         ("POST", "/complete"): lambda q: d.complete(q["producer_id"], int(q["lease_id"]), q["key"], q["header"],
-                                                    float(q.get("busy_s", 0))),
+                                                    float(q.get("busy_s", 0)), float(q.get("cpu_s", 0))),
         ("POST", "/fail"): lambda q: d.fail(q["producer_id"], int(q["lease_id"]), str(q.get("reason", ""))[:2000]),
         ("POST", "/wait"): lambda q: d.wait(int(q["epoch"]), int(q["index"]), float(q.get("timeout_s", 0))),
         ("POST", "/consumed"): lambda q: d.consumed(int(q["epoch"]), int(q["index"])),

@@ -265,6 +265,7 @@ class FeaturePool:
             dist.all_gather_object(zeroed, self.zeroed)
         out = {"zeroed_microbatches": sorted((z for r in zeroed for z in r), key=lambda z: (z["epoch"], z["index"])),
                "objects": f["objects"], "bytes": f["bytes"], "wait_s": round(f["wait_s"], 3),
+               "first_wait_s": round(f["first_wait_s"] or 0.0, 3),
                "read_s": round(f["read_s"], 3), "failed_microbatches": f["failed"],
                "data_wait_fraction": f["wait_s"] / step_s if step_s > 0 else 0.0,
                "feature_bytes_per_s": f["bytes"] / step_s if step_s > 0 else 0.0, **self.sizes}
@@ -276,6 +277,8 @@ class FeaturePool:
             each = [p["rows"] / p["busy_s"] for p in st["producers"] if p["busy_s"] > 0 and p["alive"]]
             out["producer_rows_per_s"] = sum(each) if each else None
             out["producer_rows_per_s_each"] = [round(x, 3) for x in each]
+            rows = sum(p["rows"] for p in st["producers"])
+            out["producer_cpu_s_per_row"] = sum(p["cpu_s"] for p in st["producers"]) / rows if rows else None
             out["accounted_bytes_max"] = st["stats"]["max_accounted_bytes"]
         if self.watch is not None:
             out["store_allocated_bytes_max"] = self.watch.max_allocated

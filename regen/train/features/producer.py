@@ -203,7 +203,7 @@ class Producer:
                 item = r.get("item")
                 if not item:
                     continue
-                t0 = time.monotonic()
+                t0, c0 = time.monotonic(), time.process_time()
                 try:
                     header, taps, last = self.compute(item)
                     parts, nbytes = encode(header, taps, last)
@@ -218,7 +218,8 @@ class Producer:
                     continue
                 done = self._call("/complete", {"producer_id": self.producer_id, "lease_id": item["lease_id"],
                                                 "key": item["key"], "header": header,
-                                                "busy_s": time.monotonic() - t0})
+                                                "busy_s": time.monotonic() - t0,
+                                                "cpu_s": time.process_time() - c0})
                 if not done.get("ok"):
                     self.store.remove([item["key"]])
         finally:

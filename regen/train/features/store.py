@@ -56,6 +56,8 @@ class StoreError(RuntimeError):
 
 
 def _mooncake():
+    os.environ.setdefault("GLOG_minloglevel", "1")  # Mooncake logs every connection at INFO (glog)
+    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
     try:
         from mooncake import store
     except ImportError as exc:

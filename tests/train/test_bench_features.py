@@ -1,0 +1,30 @@
+"""Smoke test of bench/features.py --quick: every section runs and prints its figures (not asserted as times)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def test_bench_features_quick_prints_each_section():
+    pytest.importorskip("mooncake.store", reason="the Mooncake store (bash scripts/setup.sh installs it)")
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(root / "bench" / "features.py"), "--quick", "--steps", "4"],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    assert [t["object_bytes"] for t in out["transport"]] == [256 << 10, 1 << 20, 4 << 20]
+    assert all(t["put_gib_per_s"] > 0 and t["get_gib_per_s"] > 0 and t["memcpy_gib_per_s"] > 0
+               for t in out["transport"])
+    k = out["k3_stream"]
+    assert k["object_bytes"] > 64 * 6 * 7168 * 2 and k["store_samples"] > 0 and k["resident_within_budget"]
+    e = out["end_to_end"]
+    assert e["producers"]["loss_last"] == e["in_process"]["loss_last"]  # the same training, two feature paths
+    assert e["producers_vs_in_process_tokens_per_s"] > 0 and 0 <= e["producers"]["data_wait_fraction"] <= 1
+    assert e["producers"]["trainer_rows_per_s"] > 0 and e["producers"]["producer_rows_per_s"] > 0
+    assert "end to end: producers" in proc.stderr and "K3-shaped rows of 64 tokens" in proc.stderr
