@@ -102,3 +102,22 @@ def test_report_of_the_run_in_chromium(local_run, chromium, tmp_path):
     dom = dump_dom(chromium, run / "report.html", tmp_path)
     # mix, languages, prompt and response lengths, finish reasons, rejects, throughput, drift
     assert 'data-images-ok="8"' in dom, dom[:1000]
+
+
+def test_the_main_job_trains_through_feature_producers_with_one_switch(local_run):
+    """Issue 19: `--set train.features=producers` on the README's first command: the run resumes its training
+    (two more steps) with SmolLM2's features from two local producer processes through a Mooncake store, the
+    trainer holding only the target's embeddings, final norm and LM head."""
+    from regen.config import load_profile
+
+    run, _ = local_run
+    if not load_profile("local").train.enabled:
+        pytest.skip("the local profile does not train")
+    before = json.loads((run / "train" / "summary.json").read_text())
+    out = _regen("run", "--profile", "local", "--run", str(run), "--no-progress", *SMALL,
+                 "--set", "train.features=producers", "--set", "train.max_steps=4", "--set", "train.eval_prompts=0")
+    summary = json.loads((run / "train" / "summary.json").read_text())
+    assert "== train done" in out.stdout and summary["steps"] == 4 and summary["features_from"] == "producers"
+    f = summary["features"]
+    assert f["objects"] >= 2 and f["failed_microbatches"] == 0 and len(f["producers"]) == 2
+    assert summary["target_memory_bytes_per_rank"] < before["target_memory_bytes_per_rank"] / 2
