@@ -140,6 +140,18 @@ def declared_contract(d: dict) -> dict:
     return out
 
 
+def target_logits(model, last_hidden):
+    """float32 logits [..., V] = model's LM head on `last_hidden` [..., Ht], with the target's final logit soft-capping
+    (`final_logit_softcapping`, Gemma) when its config has one. No gradients."""
+    import torch
+
+    with torch.no_grad():
+        x = model.get_output_embeddings()(last_hidden).float()
+    cfg = model.config
+    cap = getattr(getattr(cfg, "text_config", None) or cfg, "final_logit_softcapping", None)
+    return torch.tanh(x / cap) * cap if cap else x
+
+
 def _cache_kwarg(decoder, cache) -> dict:
     """The decoder's name for the KV cache argument: `cache` (transformers >= 5.x, where `past_key_values` is
     deprecated) or `past_key_values`."""
@@ -239,12 +251,7 @@ class TargetFeatures:
 
     def logits(self, last_hidden):
         """lm_head(last_hidden) in float32 (+ final logit soft-capping when the target has it)."""
-        import torch
-
-        with torch.no_grad():
-            x = self.model.get_output_embeddings()(last_hidden).float()
-        cap = getattr(getattr(self.config, "text_config", None) or self.config, "final_logit_softcapping", None)
-        return torch.tanh(x / cap) * cap if cap else x
+        return target_logits(self.model, last_hidden)
 
     def close(self) -> None:
         for h in self._handles:

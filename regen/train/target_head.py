@@ -227,12 +227,9 @@ class TargetHead:
 
     def logits(self, last_hidden):
         """lm_head(last_hidden) in float32 (+ final logit soft-capping when the target has it)."""
-        import torch
+        from regen.train.target import target_logits
 
-        with torch.no_grad():
-            x = self.model.get_output_embeddings()(last_hidden).float()
-        cap = getattr(getattr(self.config, "text_config", None) or self.config, "final_logit_softcapping", None)
-        return torch.tanh(x / cap) * cap if cap else x
+        return target_logits(self.model, last_hidden)
 
     def close(self) -> None:
         pass
