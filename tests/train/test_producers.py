@@ -139,7 +139,7 @@ def test_two_ranks_two_producers_one_killed_every_row_once_per_epoch(tiny_run, t
     ref = run_train(load_profile(str(profile), common + ["train.grad_accum=2"]).train, RunDir.at(ref_run))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
            "regen.train", "--", "--profile", str(profile), "--run", str(two)]
-    for s in common + PRODUCERS:
+    for s in common + PRODUCERS + ["train.producers.budget_bytes=1100000"]:  # four objects: it binds
         cmd += ["--set", s]
     proc = subprocess.Popen(loopback_only(cmd), env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -152,6 +152,8 @@ def test_two_ranks_two_producers_one_killed_every_row_once_per_epoch(tiny_run, t
         proc.kill()
     assert proc.returncode == 0, out[-5000:]
     summary = json.loads((two / "train" / "summary.json").read_text())
+    f = summary["features"]  # the store's own resident bytes stayed within the budget, the dead one's lease included
+    assert 0 < f["store_allocated_bytes_max"] <= f["budget_bytes"] == 1100000 and f["store_samples"] > 10
     alive = {p["pid"]: p["alive"] for p in summary["features"]["producers"]}
     assert alive == {pids[0]["pid"]: False, pids[1]["pid"]: True}  # the killed one was found dead, the run went on
     # the two ranks consumed exactly the micro-batches one rank accumulating both does, in the same order
