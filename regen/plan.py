@@ -53,7 +53,7 @@ import numpy as np
 
 from regen.config import Profile, resolve_path
 from regen.errors import InputError
-from regen.plan_features import feature_plan
+from regen.train.features.plan import feature_plan
 from regen.preflight import PreflightError, check_profile, effective_render_config
 from regen.rundir import RunDir
 from schemas.io import write_json_atomic
@@ -559,7 +559,7 @@ def print_plan(plan: dict) -> None:
     elif d:
         rows.append(["draft", "-", d.get("note", "")])
     if plan.get("features"):
-        from regen.plan_features import rows as feature_rows
+        from regen.train.features.plan import rows as feature_rows
 
         rows += feature_rows(plan["features"])
     print_table(["figure", "value", "how"], rows, title="plan")

@@ -31,12 +31,13 @@ class StoreConfig(BaseModel):
 
     master: str = Field("local", description="`local`: regen starts a mooncake_master on 127.0.0.1 for this run "
                         "and stops it; else host:port of an existing master (a cluster's), may use ${ENV}")
-    metrics_url: str | None = Field(None, description="the master's Prometheus URL (http://host:9003/metrics) for "
-                                    "the store's own resident bytes; null with an external master = not measured")
+    metrics_url: str | None = Field("auto", description="the master's Prometheus URL for the store's own resident "
+                                    "bytes; auto = the local master's, or port 9003 (mooncake_master's default) of "
+                                    "an external master's host; null = not measured")
     protocol: Literal["tcp", "rdma"] = Field("tcp", description="Mooncake transfer protocol (rdma on GPU clusters)")
     device: str = Field("", description="RDMA device names for protocol rdma (Mooncake `rdma_devices`)")
-    hostname: str = Field("127.0.0.1", description="the address this process's Mooncake client announces "
-                          "(each node's own IP on a cluster)")
+    hostname: str = Field("auto", description="the address this process's Mooncake client announces; auto = "
+                          "127.0.0.1 with a master on loopback, else this host's address")
     segment_bytes_per_rank: Bytes | None = Field(None, ge=0, description="memory each trainer rank mounts into the "
                                                "store; null = its share of budget_bytes plus one object; 0 = store "
                                                "nodes (`regen features store`) hold the objects")
@@ -73,7 +74,7 @@ class ProducersConfig(BaseModel):
     startup_timeout_s: float = Field(600.0, gt=0, description="no producer registered this long after start: "
                                      "the same error (a large target loads for minutes)")
     dispatcher_host: str = Field("127.0.0.1", description="address rank 0's dispatcher binds; a cluster's "
-                                 "producers must reach it (e.g. the training node's IP)")
+                                 "producers must reach it: auto = this host's address")
     dispatcher_port: int = Field(0, ge=0, le=65535, description="its port (0 = a free one, written to "
                                  "<train dir>/features/dispatcher.json)")
     store: StoreConfig = Field(default_factory=StoreConfig)

@@ -49,7 +49,8 @@ def k3_env(monkeypatch, tmp_path):
     (target / "config.json").write_text(json.dumps({"model_type": "kimi_k3", "num_hidden_layers": 93,
                                                     "hidden_size": 7168, "vocab_size": 163840}))
     env = {"KIMI_MTP_DATASET": str(REPO_ROOT / "data/prompts/kimi_mtp_sample"), "REGEN_API_KEY": KEY,
-           "KIMI_K3_TOKENIZER": str(REPO_ROOT / "data/tokenizers/kimi-k3-test"), "KIMI_K3_MODEL": str(target)}
+           "KIMI_K3_TOKENIZER": str(REPO_ROOT / "data/tokenizers/kimi-k3-test"), "KIMI_K3_MODEL": str(target),
+           "MOONCAKE_MASTER": "10.0.0.2:50051"}
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     return env

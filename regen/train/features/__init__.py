@@ -15,6 +15,7 @@ Modules, in reading order:
     client.py      a trainer rank: wait, read, check, hand the loss its features; failures by policy
     pool.py        the trainer's side set up and torn down in one place; the producer/trainer balance report
     netns.py       local pools in a private network namespace (Mooncake clients listen on all interfaces)
+    plan.py        `regen plan`'s figures for a pool: bytes per token and row, store and target memory, GPUs
     cli.py         `regen features produce | store | status`
 
 Entry points: `regen.train.loop.run_train` with `train.features: producers`; `regen features ...`.

@@ -47,6 +47,25 @@ def expanded(value: str | None, field: str) -> str | None:
     return out
 
 
+def host_address() -> str:
+    """This host's address as other nodes see it (its name resolved), for `auto` settings."""
+    import socket
+
+    return socket.gethostbyname(socket.gethostname())
+
+
+def resolve_addresses(pcfg, master: str, metrics_url: str | None) -> tuple[str, str | None, str]:
+    """(metrics URL, client hostname, dispatcher host) with `auto` resolved against the master's address."""
+    loopback = master.startswith(("127.", "localhost"))
+    hostname = expanded(pcfg.store.hostname, "store.hostname")
+    if hostname == "auto":
+        hostname = "127.0.0.1" if loopback else host_address()
+    if metrics_url == "auto":
+        metrics_url = f"http://{master.rsplit(':', 1)[0]}:9003/metrics"
+    dhost = expanded(pcfg.dispatcher_host, "dispatcher_host")
+    return metrics_url, hostname, host_address() if dhost == "auto" else dhost
+
+
 def sizes_for(pcfg, spec_num_taps: int, hidden: int, dtype: str, world_size: int, max_tokens: int,
               max_batch: int) -> dict:
     """Object, budget, segment and buffer sizes of a pool (bytes), checked. Raises InputError naming the setting
@@ -136,16 +155,17 @@ class FeaturePool:
         try:
             master_addr, metrics_url = expanded(pcfg.store.master, "store.master"), \
                 expanded(pcfg.store.metrics_url, "store.metrics_url")
-            hostname = expanded(pcfg.store.hostname, "store.hostname")
             if info.is_main:
                 fdir.mkdir(parents=True, exist_ok=True)
                 if master_addr == "local":
                     pool.master = MooncakeMaster(fdir / "mooncake_master.log").start()
-                    master_addr, metrics_url = pool.master.address, pool.master.metrics_url
+                    master_addr = pool.master.address
+                    metrics_url = pool.master.metrics_url if metrics_url == "auto" else metrics_url
             box = [(master_addr, metrics_url)]
             if W > 1:
                 dist.broadcast_object_list(box, src=0)
             master_addr, metrics_url = box[0]
+            metrics_url, hostname, dispatcher_host = resolve_addresses(pcfg, master_addr, metrics_url)
             pool.store = StoreClient(master_addr, segment_bytes=seg, local_buffer_bytes=buf,
                                      protocol=pcfg.store.protocol, hostname=hostname,
                                      device=pcfg.store.device)
@@ -168,7 +188,7 @@ class FeaturePool:
                     stream, spec, store=pool.store, segments=segments, budget_bytes=budget,
                     max_ahead=pcfg.max_ahead, max_attempts=pcfg.max_attempts, lease_timeout_s=pcfg.lease_timeout_s,
                     heartbeat_s=pcfg.heartbeat_s, put_release_s=pcfg.store.put_release_s, store_info=store_info,
-                    host=expanded(pcfg.dispatcher_host, "dispatcher_host"), port=pcfg.dispatcher_port).start()
+                    host=dispatcher_host, port=pcfg.dispatcher_port).start()
                 url = pool.dispatcher.url
                 from schemas.io import write_json_atomic
 
