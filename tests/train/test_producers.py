@@ -210,6 +210,17 @@ def test_a_row_whose_features_fail_every_time_stops_the_run_or_is_zeroed(tiny_ru
     assert {s for z in zeroed for s in z["sample_ids"]} <= {s for step in samples(other) for s in step}
 
 
+def test_local_producers_that_cannot_start_stop_the_run_at_once(tiny_run):
+    profile, run = tiny_run
+    t0 = time.monotonic()
+    proc = regen_train(profile, run, PRODUCERS + ["train.max_steps=2", "train.producers.local_device=cuda:0"])
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    err = proc.stderr + proc.stdout
+    assert "every local feature producer exited" in err and "producer-0 exited with status" in err
+    assert "Traceback" not in err.split("regen train: error:")[-1]
+    assert time.monotonic() - t0 < 120  # not startup_timeout_s (300 here)
+
+
 def test_a_budget_smaller_than_one_object_is_refused_before_any_work(tiny_run):
     profile, run = tiny_run
     proc = regen_train(profile, run, PRODUCERS + ["train.max_steps=2", "train.producers.budget_bytes=100KiB"])

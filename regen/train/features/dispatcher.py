@@ -184,7 +184,7 @@ class Dispatcher:
         except Exception as exc:  # noqa: BLE001 - reported to every waiting rank, then re-raised in the log
             log.exception("feature planning failed")
             with self._lock:
-                self.plan_error = f"{type(exc).__name__}: {exc}"
+                self.plan_error = f"planning the feature work failed: {type(exc).__name__}: {exc}"
                 self._lock.notify_all()
         finally:
             with self._lock:
@@ -372,7 +372,7 @@ class Dispatcher:
                 if item is not None and item.state == "failed":
                     return {"status": "failed", "reason": "; ".join(item.failures), "sample_ids": item.sample_ids}
                 if self.plan_error:
-                    return {"status": "error", "reason": f"planning the feature work failed: {self.plan_error}"}
+                    return {"status": "error", "reason": self.plan_error}
                 if item is None and self.plan_done:
                     return {"status": "error", "reason": f"micro-batch {epoch}:{index} is not in the plan"}
                 left = deadline - time.monotonic()

@@ -228,6 +228,26 @@ class FeaturePool:
 
         write_json_atomic([{"name": f"local-{i}", "pid": p.pid, "log": str(fdir / f"producer-{i}.log")}
                            for i, p in enumerate(self.procs)], fdir / "producers.json")
+        if self.procs:
+            threading.Thread(target=self._watch_local, args=(fdir,), name="local-producers", daemon=True).start()
+
+    def _watch_local(self, fdir: Path) -> None:
+        """Every local producer exited with an error and none is alive: stop the ranks now, with their logs' last
+        lines, instead of after startup_timeout_s (a producer that cannot load the target exits at once)."""
+        d = self.dispatcher
+        while d is not None and not d.stopping:
+            time.sleep(1.0)
+            codes = [p.poll() for p in self.procs]
+            if any(c is None or c == 0 for c in codes) or d.live_producers():
+                continue
+            tails = []
+            for i, c in enumerate(codes):
+                lines = (fdir / f"producer-{i}.log").read_text(errors="replace").strip().splitlines()
+                tails.append(f"producer-{i} exited with status {c}: {lines[-1] if lines else '(no output)'}")
+            with d._lock:
+                d.plan_error = "every local feature producer exited: " + "; ".join(tails)
+                d._lock.notify_all()
+            return
 
     @classmethod
     def for_training(cls, cfg, *, info, run, follow: bool, feed_cfg, feed_state: dict, dtype: str, head, contract,
