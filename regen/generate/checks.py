@@ -38,6 +38,8 @@ import json
 import re
 from dataclasses import dataclass
 
+from filters.control_tokens import strip_echoed_end as strip_echo, text_after_end as marker_after_end
+
 TRANSIENT = ("rate_limited", "server_error", "timeout", "connection", "malformed")
 PERMANENT = ("bad_request", "context_overflow")
 FATAL = ("auth",)
@@ -316,35 +318,16 @@ def text_after_end(c: Completion, end_markers) -> str | None:
     """The detail of the first end-of-turn marker inside the answer (reasoning, content, tool arguments), or None.
 
     Run after `strip_echoed_end`: any marker still present is followed by more generated text."""
-    if not end_markers:
-        return None
-    texts = list(_answer_texts(c))
-    for n, (where, text) in enumerate(texts):
-        hits = [(text.find(m), m) for m in end_markers if m and m in text]
-        if not hits:
-            continue
-        at, marker = min(hits)
-        rest = len(text) - at - len(marker) + sum(len(t) for _, t in texts[n + 1:])
-        return (f"{where} holds the end-of-turn marker {marker!r} at char {at}, followed by {rest} more characters: "
-                "tokens past the end of the turn (SGLang #31599, vLLM PR #47616)")
-    return None
+    return marker_after_end(list(_answer_texts(c)), end_markers) if end_markers else None
 
 
 def strip_echoed_end(c: Completion, end_markers) -> str | None:
     """Remove one end-of-turn marker that ends the content with nothing after it (whitespace aside), when it is
     the only marker in the answer and no tool call follows; returns the marker removed, else None."""
-    content = c.content or ""
-    tail = content.rstrip()
-    if not end_markers or c.tool_calls or not tail:
+    if not end_markers or c.tool_calls or not (c.content or "").strip():
         return None
-    for m in end_markers:
-        if m and tail.endswith(m):
-            rest = tail[: -len(m)]
-            if any(x and x in t for x in end_markers for t in (rest, c.reasoning_content or "")):
-                return None
-            c.content = rest
-            return m
-    return None
+    c.content, marker = strip_echo(c.content, [c.reasoning_content or ""], end_markers)
+    return marker
 
 
 def usage_faults(c: Completion, max_tokens: int | None) -> list[tuple[str, str]]:
