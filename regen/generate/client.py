@@ -27,14 +27,13 @@ import asyncio
 import collections
 import random
 import time
-from email.utils import parsedate_to_datetime
 
 import aiohttp
 
 from regen.generate.checks import Completion, RequestFailure, classify_status
 from regen.config.generate import ConcurrencyConfig, HealthConfig, RetryConfig, TimeoutConfig
 from regen.generate.concurrency import ConcurrencyController, parse_gauges
-from regen.generate.wire import _dumps, http_failure, normalize, parse_body, read_stream
+from regen.generate.wire import _dumps, http_failure, normalize, parse_body, parse_retry_after, read_stream  # noqa: F401
 
 
 def backoff_delay(attempt: int, cfg: RetryConfig, retry_after_s: float | None = None) -> float:
@@ -45,20 +44,6 @@ def backoff_delay(attempt: int, cfg: RetryConfig, retry_after_s: float | None = 
     if retry_after_s is not None:  # spread over [1, 1.5] x Retry-After, so retries do not arrive in lockstep
         delay = max(delay, min(retry_after_s, cfg.max_retry_after_s) * random.uniform(1.0, 1.5))
     return delay
-
-
-def parse_retry_after(value: str | None) -> float | None:
-    """Retry-After header (delta-seconds, fractional accepted, or an HTTP date; RFC 9110 10.2.3) -> seconds."""
-    if not value:
-        return None
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        pass
-    try:
-        return max(0.0, parsedate_to_datetime(value).timestamp() - time.time())
-    except (TypeError, ValueError):
-        return None
 
 
 def redact_url(url: str) -> str:

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
+from email.utils import parsedate_to_datetime
 
 import aiohttp
 
@@ -45,6 +47,20 @@ ERROR_TYPE_STATUS = {
     "RateLimitError": 429, "server_error": 500, "api_error": 500, "InternalServerError": 500,
     "overloaded_error": 503, "ServiceUnavailableError": 503,
 }
+
+
+def parse_retry_after(value: str | None) -> float | None:
+    """Retry-After header (delta-seconds, fractional accepted, or an HTTP date; RFC 9110 10.2.3) -> seconds."""
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        return max(0.0, parsedate_to_datetime(value).timestamp() - time.time())
+    except (TypeError, ValueError):
+        return None
 
 
 def error_status(err: dict) -> int | None:
@@ -75,8 +91,6 @@ def error_failure(err: dict, where: str) -> RequestFailure:
 async def http_failure(resp: aiohttp.ClientResponse) -> RequestFailure:
     """A non-200 response -> RequestFailure classified by status and the body's error object (`checks.error_object`);
     its detail keeps the start of the server's message (bounded, secrets redacted: `checks.error_detail`)."""
-    from regen.generate.client import parse_retry_after
-
     code = message = None
     try:
         raw = await resp.content.read(65536)
