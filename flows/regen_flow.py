@@ -63,9 +63,9 @@ def preflight_task(profile, run_dir: str) -> dict:
 
 
 @task(name="select", **TASK_OPTIONS)
-def select_task(select: SelectConfig, seed: int, run_dir: str) -> dict:
+def select_task(select: SelectConfig, seed: int, run_dir: str, render: RenderConfig | None = None) -> dict:
     run = _run(run_dir)
-    pipeline.step_select(select, run, seed=seed, progress=False)
+    pipeline.step_select(select, run, seed=seed, progress=False, render=render)
     con = summary.connect(run.root)
     md = summary.markdown_table(summary.mix_table(con), "Mix (prompts per category)")
     md += "\n" + summary.markdown_table(summary.language_table(con), "Languages")
@@ -161,7 +161,7 @@ def regen(profile: str = "local", run_dir: str = "runs/local", overrides: dict[s
         prof = prof.model_copy(update={"train": prof.train.model_copy(update={"enabled": train})})
     render = pipeline.effective_render_config(prof.render, prof.serve)
     out = {"preflight": preflight_task(prof, run_dir)}
-    out["select"] = select_task(prof.select, prof.seed, run_dir)
+    out["select"] = select_task(prof.select, prof.seed, run_dir, render)
     classes = (retry_classes or []) if retry_errors else None
     out["generate"] = generate_task(prof.generate, prof.serve, run_dir, classes, repair)
     out["filter"] = filter_task(render, run_dir)

@@ -34,8 +34,7 @@ from pathlib import Path
 
 from regen.config import Profile, resolve_path
 from regen.config.generate import GenerateConfig
-from regen.config.render import RenderConfig
-from regen.config.serve import ServeConfig
+from regen.config.render import effective_render_config  # noqa: F401 (re-exported: pipeline, plan, flows)
 from regen.errors import InputError
 from regen.generate.endpoints import endpoint_problems, models_problem
 from regen.rundir import RunDir
@@ -68,13 +67,6 @@ class Report:
 
 
 # ---------------------------------------------------------------------------------------------- per stage
-
-
-def effective_render_config(render: RenderConfig, serve: ServeConfig) -> RenderConfig:
-    """The hf renderer without a tokenizer renders with the embedded target's own tokenizer and template."""
-    if serve.enabled and render.renderer == "hf" and not render.tokenizer:
-        return render.model_copy(update={"tokenizer": serve.model_dir})
-    return render
 
 
 def generation_complete(generate: GenerateConfig, run: RunDir) -> bool:

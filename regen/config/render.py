@@ -64,3 +64,11 @@ class RenderConfig(BaseModel):
     filter_params: ResponseFilterParams = Field(default_factory=ResponseFilterParams)
     shard_max_rows: int = 100_000
     shard_max_tokens: int = 50_000_000  # int32 ids: about 200 MB before compression
+
+
+def effective_render_config(render: RenderConfig, serve) -> RenderConfig:
+    """The hf renderer without a tokenizer renders with the embedded target's own tokenizer and template
+    (`serve`: the profile's ServeConfig)."""
+    if serve.enabled and render.renderer == "hf" and not render.tokenizer:
+        return render.model_copy(update={"tokenizer": serve.model_dir})
+    return render
