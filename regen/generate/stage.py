@@ -1,7 +1,7 @@
 """`regen generate`: regenerate every prompt with the target over OpenAI-compatible HTTP into generations/.
 
     regen generate --profile P --run DIR [--endpoint URL ...] [--max-in-flight N] [--ray ADDRESS|auto|local]
-                   [--repair] [--retry-errors [--classes server_error,timeout,...]]
+                   [--repair] [--recheck] [--retry-errors [--classes server_error,timeout,...]]
 
 Reads `prompts/part-*.parquet`, writes `generations/` (see `regen.generate.ledger` for the layout and the exactly-once
 rules): one GENERATION_SCHEMA row per (prompt_id, turn) unit (`regen.generate.conversation` defines units, history and
@@ -16,7 +16,11 @@ that changed; rows accepted under other rules are never mixed in.
 
 Damaged parts (`regen.generate.ledger.verify_parts`: sha256, size, footer, rows against the ledger) stop the run
 with an InputError naming each file; `--repair` quarantines them and re-requests exactly their rows.
-`--retry-errors` re-sends the error rows of the chosen classes (default: the transient ones, TRANSIENT) and the
+`--recheck` judges the `ok` rows already held by the current checks (runs made before a check existed:
+`regen.generate.recheck`); faulty ones become error rows that `--retry-errors` re-sends. A stamp that predates a
+rule (a policy added later, the end-of-turn markers) is not a change: the rule is adopted and recorded.
+`--retry-errors` re-sends the error rows of the chosen classes (default: RETRY_DEFAULT, the transient ones and
+the server faults a new sample fixes) and the
 later turns skipped after them: those rows move to `generations/quarantine/` (listed in the ledger, visible in
 `regen query` as `superseded`), the units are requested again, and the manifest's `retries` says what came back.
 
@@ -298,13 +302,58 @@ def _run_lock(gen_dir: Path):
         yield
 
 
-def _generate_locked(cfg, run, files, urls, api_key, chash, stamp, old, ray_address, progress, prepared) -> dict:
-    gen_dir = run.generations
+def _write_stamp(cfg: GenerateConfig, gen_dir: Path, stamp: dict | None) -> list[str]:
+    """Write `request_config.json` where it is missing or predates a rule (`adopted_rules`, kept in its `adopted`
+    history); returns the rules adopted now."""
     adopted = adopted_rules(stamp, cfg)
     if not stamp or stamp.get("acceptance") is None or adopted:  # a stamp from before a rule existed: adopt it
         history = (stamp or {}).get("adopted", []) + [{"at": round(time.time(), 3), "rules": adopted}] * bool(adopted)
-        write_json_atomic({"config_hash": chash, "request_config": request_config(cfg), "acceptance": acceptance(cfg),
-                           **({"adopted": history} if history else {})}, gen_dir / "request_config.json")
+        write_json_atomic({"config_hash": config_hash(cfg), "request_config": request_config(cfg),
+                           "acceptance": acceptance(cfg), **({"adopted": history} if history else {})},
+                          gen_dir / "request_config.json")
+    return adopted
+
+
+def recheck_run(cfg: GenerateConfig, run: RunDir) -> dict:
+    """`regen generate --recheck`: judge the `ok` rows already held by cfg's checks and policies
+    (`regen.generate.recheck`); faulty ones become error rows (and their later turns skipped rows) that
+    `--retry-errors` re-sends. Sends no request. Updates the manifest (parts, accounting, `rechecks`) when there
+    is one; returns {"recheck": report, "manifest": manifest or None}. Raises InputError like `run_generate` for
+    a directory made with another request config or changed policies, or damaged parts."""
+    from regen.generate.recheck import recheck
+
+    files = prompt_files(run)
+    gen_dir = run.generations
+    if not ledger_mod.listed_parts(gen_dir) and not list(gen_dir.glob("journal-*.jsonl")):
+        raise InputError(f"{gen_dir}: no generation rows to recheck; run `regen generate --run {run.root}` first")
+    stamp = check_identity(cfg, gen_dir)
+    with _run_lock(gen_dir):
+        recovered = ledger_mod.recover(gen_dir)
+        adopted = _write_stamp(cfg, gen_dir, stamp)
+        report = {"at": round(time.time(), 3), **recheck(cfg, gen_dir), "adopted_rules": adopted}
+        manifest = run.manifest(gen_dir)
+        if manifest:
+            acc = accounting(gen_dir, files)
+            manifest.update(parts=sorted(ledger_mod.listed_parts(gen_dir).values(), key=lambda e: e["path"]),
+                            accounting=acc, complete=acc["balanced"],
+                            rechecks=(manifest.get("rechecks") or []) + [report])
+            if recovered.get("journal_rows_recovered") or recovered.get("parts_adopted"):
+                manifest["recovered"] = recovered
+            run.write_manifest(gen_dir, manifest)
+    return {"recheck": report, "manifest": manifest or None}
+
+
+def format_recheck(report: dict) -> str:
+    errs = ", ".join(f"{k}={v}" for k, v in sorted(report["now_error"].items())) or "none"
+    flags = ", ".join(f"{k}={v}" for k, v in sorted(report["would_flag"].items()))
+    return (f"recheck: {report['checked']} ok rows judged by the current checks; now error rows: {errs} (and "
+            f"{report['later_turns_skipped']} later turns skipped after them; `--retry-errors` re-sends them)"
+            + (f"; left as they are but would be flagged now: {flags}" if flags else ""))
+
+
+def _generate_locked(cfg, run, files, urls, api_key, chash, stamp, old, ray_address, progress, prepared) -> dict:
+    gen_dir = run.generations
+    adopted = _write_stamp(cfg, gen_dir, stamp)
     repaired = prepared["recovered"]
     t0 = time.time()
     if ray_address:
@@ -367,6 +416,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--repair", action="store_true",
                         help="move damaged generations parts to generations/quarantine/ and re-request exactly their rows")
+    parser.add_argument("--recheck", action="store_true",
+                        help="judge the ok rows already held by the current checks and policies first: faulty ones "
+                             "become error rows (their later turns skipped) that --retry-errors re-sends; alone, "
+                             "sends no request")
     parser.add_argument("--retry-errors", action="store_true",
                         help="re-send the error rows of --classes and the later turns skipped after them")
     parser.add_argument("--classes", default=None, metavar="CLASS,...",
@@ -393,6 +446,15 @@ def main(args) -> int:
     if args.classes and not args.retry_errors:
         raise InputError("--classes needs --retry-errors (it names the error classes to re-send)")
     retry = (args.classes or "") if args.retry_errors else None
+    if args.recheck:
+        done = recheck_run(cfg, run)
+        print(format_recheck(done["recheck"]))
+        for rule in done["recheck"]["adopted_rules"]:
+            print(f"adopted {rule}: generations/ predates this rule")
+        if retry is None and not args.repair:
+            acc = (done["manifest"] or {}).get("accounting") or accounting(run.generations, prompt_files(run))
+            print(format_accounting(acc))
+            return 0 if acc["balanced"] else 1
     manifest = run_generate(cfg, run, endpoints=args.endpoint, ray_address=args.ray, progress=not args.no_progress,
                             repair=args.repair, retry_classes=retry)
     rep = (manifest.get("recovered") or {}).get("repair")
