@@ -61,6 +61,7 @@ from schemas.io import write_json_atomic, write_parquet_atomic  # noqa: E402
 from schemas.prompt import PROMPT_SCHEMA, prompt_id_of  # noqa: E402
 
 SERVER = {"tokens": 30, "reasoning_tokens": 30, "length_sigma": 0.8, "delay_s": 0.05, "log": False,
+          "models": ["moonshotai/Kimi-K3"],  # the kimi-k3 profile's model, as the endpoint check asks
           "timings": True, "seed": 0}
 
 
