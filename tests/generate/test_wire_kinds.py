@@ -303,3 +303,32 @@ def test_finish_reason_detail_and_usage_numbers_are_pure_functions():
     assert [k for k, _ in judge(two, end_markers=["<|im_end|>"])] == ["text_after_end"]
     tail = Completion(content="The answer is 42.<|im_end|>\n", finish_reason="stop")
     assert strip_echoed_end(tail, ["<|eot_id|>", "<|im_end|>"]) == "<|im_end|>" and tail.content == "The answer is 42."
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_the_kinds_in_a_later_turn_and_in_a_tool_answer(server, run_dir, stream):
+    """The fault in turn 1 of 3 (turn 0 clean, turn 2 skipped), and in an answer that calls a tool."""
+    later = lambda k: ([{"role": "user", "content": "first"}, {"role": "assistant", "content": "old"},  # noqa: E731
+                        {"role": "user", "content": f"second [[fault:{k}]]"}, {"role": "assistant", "content": "old"},
+                        {"role": "user", "content": "third"}], None)
+    kinds = {"abort": "unfinished", "content_filter": "content_filter", "error_event_overflow": "context_overflow",
+             "after_end": "text_after_end", "usage_over_max": "over_max_tokens", "tool_no_index_orphan": "malformed"}
+    records = write_prompts(run_dir, [later(k) for k in kinds]
+                            + [([{"role": "user", "content": f"call [[fault:{k}]]"}], TWO_TOOLS) for k in kinds])
+    run_generate(fast_config(stream=stream, retry={"max_attempts": 2}, end_of_turn_markers=["<|im_end|>"]), run_dir,
+                 endpoints=[server.base_url], progress=False)
+    rows = {(r["prompt_id"], r["turn"]): r for r in rows_of(run_dir)}
+    for (kind, klass), rec in zip(kinds.items(), records):
+        t0, t1, t2 = (rows[(rec.prompt_id, t)] for t in range(3))
+        if kind == "tool_no_index_orphan":  # a call the recorded conversation never made: it stops there anyway
+            assert t1["status"] == ("error" if stream else "ok") and t2["status"] == "skipped", kind
+            continue
+        assert t0["status"] == "ok" and (t1["status"], t1["error_class"]) == ("error", klass), kind
+        assert t2["status"] == "skipped" and t2["stop_reason"] == "previous_turn_error", kind
+    for (kind, klass), rec in zip(kinds.items(), records[len(kinds):]):
+        if kind == "tool_no_index_orphan" and not stream:
+            continue
+        row = rows[(rec.prompt_id, 0)]
+        assert (row["status"], row["error_class"]) == ("error", klass), kind
+        if klass in ("unfinished", "content_filter"):
+            assert row["tool_calls"] is None and row["content"] is None, kind
