@@ -125,9 +125,7 @@ def test_recheck_turns_what_the_old_checks_let_through_into_rows_retry_errors_re
     assert recheck_run(cfg, run_dir)["recheck"]["now_error"] == {}  # idempotent
 
     # the server stops running past its stop: a plain --retry-errors re-sends both classes (its default classes)
-    from test_wire_kinds import control
-
-    control(server, end_marker="[x]")
+    server.server.settings.end_marker = "[x]"
     assert regen_cli(cli + ["--retry-errors"]) == 0
     out = capsys.readouterr().out
     assert "re-sent 2 error rows and 2 later turns; recovered 1/2; still error: unfinished=1" in out, out

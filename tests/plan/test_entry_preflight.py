@@ -8,7 +8,7 @@ import logging
 
 import pyarrow as pa
 import pytest
-from conftest import KEY, MODEL, contamination_overrides
+from conftest import KEY, MODEL, closed_port_url, contamination_overrides
 
 from regen import cli
 from regen.config import load_profile
@@ -69,8 +69,6 @@ def test_regen_generate_on_a_generation_only_node_needs_no_tokenizer_nor_target(
 
 
 def test_regen_generate_refuses_a_wrong_key_and_an_unreachable_endpoint(server, k3_env, monkeypatch, tmp_path, capsys):
-    from conftest import closed_port_url
-
     monkeypatch.setenv("REGEN_API_KEY", "sk-wrong-key-0000")
     run = RunDir.at(tmp_path / "run")
     write_prompts(run, 2)
