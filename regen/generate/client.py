@@ -33,7 +33,7 @@ import aiohttp
 from regen.generate.checks import Completion, RequestFailure, classify_status
 from regen.config.generate import ConcurrencyConfig, HealthConfig, RetryConfig, TimeoutConfig
 from regen.generate.concurrency import ConcurrencyController, parse_gauges
-from regen.generate.wire import _dumps, http_failure, normalize, parse_body, parse_retry_after, read_stream  # noqa: F401
+from regen.generate.wire import dumps, http_failure, normalize, parse_body, parse_retry_after, read_stream  # noqa: F401
 
 
 def backoff_delay(attempt: int, cfg: RetryConfig, retry_after_s: float | None = None) -> float:
@@ -296,7 +296,7 @@ class ChatClient:
 
         Returns a Completion (quality not yet checked); raises RequestFailure on transport or HTTP errors.
         """
-        payload = _dumps(body)
+        payload = dumps(body)
         headers = self._headers if request_key is None else {**self._headers, "X-Regen-Request-Key": request_key}
         async with self._sem:
             ep = await self.pool.acquire(self.max_wait_s)

@@ -32,11 +32,11 @@ from regen.generate.checks import Completion, RequestFailure, classify_status, e
 try:
     import orjson
 
-    _loads, _dumps = orjson.loads, orjson.dumps
+    _loads, dumps = orjson.loads, orjson.dumps
 except ImportError:  # pragma: no cover - orjson ships with prefect
     _loads = json.loads
 
-    def _dumps(obj):
+    def dumps(obj):
         return json.dumps(obj, ensure_ascii=False).encode()
 
 # error `type` of OpenAI's error objects and of vLLM/SGLang's (their exception names) -> the HTTP status it stands for
@@ -116,7 +116,7 @@ def _text(value) -> str | None:
         return value
     if isinstance(value, list):  # content parts: keep the text parts
         return "".join(p.get("text") or "" if isinstance(p, dict) else str(p) for p in value)
-    return _dumps(value).decode()
+    return dumps(value).decode()
 
 
 def _ids(value) -> list[int] | None:
@@ -298,7 +298,7 @@ class ToolCallDeltas:
             fn = d.get("function") if isinstance(d.get("function"), dict) else {}
             args = fn.get("arguments")
             if args is not None and not isinstance(args, str):
-                args = _dumps(args).decode() if isinstance(args, dict) else None
+                args = dumps(args).decode() if isinstance(args, dict) else None
                 if args is None:
                     raise RequestFailure("malformed", "a tool-call delta's arguments are neither text nor an object")
             call = self._place(d, fn, args or "")
