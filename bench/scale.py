@@ -61,15 +61,17 @@ from schemas.io import write_json_atomic, write_parquet_atomic  # noqa: E402
 from schemas.prompt import PROMPT_SCHEMA, prompt_id_of  # noqa: E402
 
 SERVER = {"tokens": 30, "reasoning_tokens": 30, "length_sigma": 0.8, "delay_s": 0.05, "log": False,
+          "models": ["moonshotai/Kimi-K3"],  # the kimi-k3 profile's model, as the endpoint check asks
           "timings": True, "seed": 0}
 
 
-def pool_rows(cache: Path, total: int) -> list[dict]:
-    """The bundled pool's selected prompts (local profile's sources), as PROMPT_SCHEMA rows."""
-    run = RunDir.at(cache)
-    if not list(run.prompts.glob("part-*.parquet")):
-        profile = load_profile("local", {"select.total": total})
-        run_select(profile.select, run, seed=0)
+def pool_rows(where: Path, total: int) -> list[dict]:
+    """The bundled pool's selected prompts (local profile's sources), as PROMPT_SCHEMA rows, selected into `where`
+    (this run's own temporary folder: no state is shared between runs). No progress bar: stdout holds only the
+    bench's JSON lines."""
+    run = RunDir.at(where)
+    profile = load_profile("local", {"select.total": total})
+    run_select(profile.select, run, seed=0, progress=False)
     return [r for f in sorted(run.prompts.glob("part-*.parquet")) for r in pq.read_table(f).to_pylist()]
 
 
@@ -229,7 +231,11 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="regen-scale-")) / "run"
     run = RunDir.at(root)
     t_setup = time.time()
-    pool = pool_rows(Path(tempfile.gettempdir()) / "regen-scale-pool", 2000)
+    scratch = Path(tempfile.mkdtemp(prefix="regen-scale-pool-"))
+    try:
+        pool = pool_rows(scratch / "pool", 2000)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     kinds = resample(pool, n, run)
     profile = load_profile("kimi-k3")
     in_flight = args.max_in_flight or (8 if args.quick else profile.generate.max_in_flight)  # quick: long enough to kill mid-shard

@@ -16,8 +16,8 @@ API keys, or prompt text.
 Deployments (`flows/deploy.py`): `regen/local` and `regen/kimi-k3`; parameters are overridable per run, e.g.
 `prefect deployment run regen/local --param run_dir=runs/demo --param overrides='{"select.total": 48}'`.
 A rerun that re-sends failed units (`regen generate --retry-errors`): `--param retry_errors=true` (classes:
-`--param retry_classes='["server_error", "timeout"]'`, default the transient ones); `--param repair=true` is
-`regen generate --repair` (damaged generations parts).
+`--param retry_classes='["server_error", "timeout"]'`, default as the CLI's); `--param repair=true` is
+`regen generate --repair` (damaged generations parts); `--param recheck=true` is `regen generate --recheck`.
 """
 from __future__ import annotations
 
@@ -63,9 +63,9 @@ def preflight_task(profile, run_dir: str) -> dict:
 
 
 @task(name="select", **TASK_OPTIONS)
-def select_task(select: SelectConfig, seed: int, run_dir: str) -> dict:
+def select_task(select: SelectConfig, seed: int, run_dir: str, render: RenderConfig | None = None) -> dict:
     run = _run(run_dir)
-    pipeline.step_select(select, run, seed=seed, progress=False)
+    pipeline.step_select(select, run, seed=seed, progress=False, render=render)
     con = summary.connect(run.root)
     md = summary.markdown_table(summary.mix_table(con), "Mix (prompts per category)")
     md += "\n" + summary.markdown_table(summary.language_table(con), "Languages")
@@ -76,16 +76,19 @@ def select_task(select: SelectConfig, seed: int, run_dir: str) -> dict:
 
 @task(name="generate", **TASK_OPTIONS)
 def generate_task(generate: GenerateConfig, serve: ServeConfig, run_dir: str, retry_classes: list[str] | None = None,
-                  repair: bool = False) -> dict:
+                  repair: bool = False, recheck: bool = False) -> dict:
     run = _run(run_dir)
     logger = get_run_logger()
-    if repair or retry_classes is not None:  # the stage's own repair / retry, then the usual generate step
+    if repair or retry_classes is not None or recheck:  # the stage's own recheck / repair / retry, then generate
         cfg = generate
         if serve.enabled:  # the identity is checked with the served model id, as the generate step will
             from regen.serve.server import EmbeddedTarget
 
             cfg = generate.model_copy(update={"model": EmbeddedTarget(serve).model})
-        logger.info("generate: %s", stage.prepare(cfg, run, repair=repair, retry_classes=retry_classes))
+        if recheck and any(run.generations.glob("ledger-*.jsonl")):  # rows to judge
+            logger.info(stage.format_recheck(stage.recheck_run(cfg, run)["recheck"]))
+        if repair or retry_classes is not None:
+            logger.info("generate: %s", stage.prepare(cfg, run, repair=repair, retry_classes=retry_classes))
     manifest = pipeline.step_generate(generate, serve, run, progress=False, log=logger.info)
     if manifest.get("last_retry"):
         logger.info(stage.format_retry(manifest["last_retry"], tuple(manifest["last_retry"]["classes"])))
@@ -148,22 +151,23 @@ def eval_task(train: TrainConfig, run_dir: str) -> dict:
 @flow(name="regen", log_prints=True, persist_result=False)
 def regen(profile: str = "local", run_dir: str = "runs/local", overrides: dict[str, Any] | None = None,
           train: bool | None = None, retry_errors: bool = False, retry_classes: list[str] | None = None,
-          repair: bool = False) -> dict:
+          repair: bool = False, recheck: bool = False) -> dict:
     """Run a profile's stages on `run_dir` (relative to the repository root unless absolute).
 
     overrides: dotted profile keys -> values, as `--set` on the command line (e.g. {"select.total": 48}).
     train: force `train.enabled` on or off (None = the profile's).
     retry_errors / retry_classes: as `regen generate --retry-errors --classes ...` (None: the transient classes).
-    repair: as `regen generate --repair`.
+    repair: as `regen generate --repair`. recheck: as `regen generate --recheck` (judge the ok rows already held
+    by the current checks first; with retry_errors the faulty ones are re-sent in the same run).
     """
     prof = load_profile(profile, dict(overrides or {}))
     if train is not None:
         prof = prof.model_copy(update={"train": prof.train.model_copy(update={"enabled": train})})
     render = pipeline.effective_render_config(prof.render, prof.serve)
     out = {"preflight": preflight_task(prof, run_dir)}
-    out["select"] = select_task(prof.select, prof.seed, run_dir)
+    out["select"] = select_task(prof.select, prof.seed, run_dir, render)
     classes = (retry_classes or []) if retry_errors else None
-    out["generate"] = generate_task(prof.generate, prof.serve, run_dir, classes, repair)
+    out["generate"] = generate_task(prof.generate, prof.serve, run_dir, classes, repair, recheck)
     out["filter"] = filter_task(render, run_dir)
     out["render"] = render_task(render, run_dir)
     if prof.train.enabled:

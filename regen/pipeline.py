@@ -37,10 +37,18 @@ from schemas.io import read_json, sha256_file, write_json_atomic
 STEPS = ("select", "generate", "filter", "render", "train", "eval")
 
 
-def step_select(select: SelectConfig, run: RunDir, *, seed: int, progress: bool = True) -> dict:
+def step_select(select: SelectConfig, run: RunDir, *, seed: int, progress: bool = True,
+                render: RenderConfig | None = None) -> dict:
+    """Select; with `render` (the effective render config), prompts holding strings its renderer would parse as
+    control tokens are rejected here, before any request (`regen.render.stage.prompt_control_tokens`)."""
     from regen.select.stage import run_select
 
-    return run_select(select, run, seed=seed, progress=progress)
+    tokens = ()
+    if render is not None:
+        from regen.render.stage import prompt_control_tokens
+
+        tokens = prompt_control_tokens(render)
+    return run_select(select, run, seed=seed, progress=progress, control_tokens=tokens)
 
 
 def step_generate(generate: GenerateConfig, serve: ServeConfig, run: RunDir, *, progress: bool = True,
@@ -149,7 +157,7 @@ def run_pipeline(profile: Profile, run: RunDir, *, progress: bool = True, log=pr
     session = {"profile": profile.name, "started": time.time(), "steps": timings}
     try:
         with _timed(timings, "select", log):
-            results["select"] = step_select(profile.select, run, seed=profile.seed, progress=progress)
+            results["select"] = step_select(profile.select, run, seed=profile.seed, progress=progress, render=render)
         with _timed(timings, "generate", log):
             results["generate"] = step_generate(profile.generate, profile.serve, run, progress=progress, log=log)
         with _timed(timings, "filter", log):

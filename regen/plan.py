@@ -383,7 +383,8 @@ def build_plan(profile: Profile, run: RunDir, *, pilot: int = 0, sample: int = 2
         fatal += [p for p in rep.problems if p.startswith(("endpoint", "generate.", "no endpoint"))]
     if fatal:
         raise PreflightError(fatal)
-    pipeline.step_select(profile.select, run, seed=profile.seed, progress=False)
+    pipeline.step_select(profile.select, run, seed=profile.seed, progress=False,
+                         render=effective_render_config(profile.render, profile.serve))  # the run's own selection
     prompts = selected_prompts(run)
     if not prompts:
         raise InputError(f"{run.prompts}: the selection is empty; check select.sources and select.mix")

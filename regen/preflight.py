@@ -29,17 +29,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import urllib.error
-import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from regen.config import Profile, resolve_path
 from regen.config.generate import GenerateConfig
-from regen.config.render import RenderConfig
-from regen.config.serve import ServeConfig
+from regen.config.render import effective_render_config  # noqa: F401 (re-exported: pipeline, plan, flows)
 from regen.errors import InputError
+from regen.generate.endpoints import endpoint_problems, models_problem
 from regen.rundir import RunDir
 
 
@@ -70,13 +67,6 @@ class Report:
 
 
 # ---------------------------------------------------------------------------------------------- per stage
-
-
-def effective_render_config(render: RenderConfig, serve: ServeConfig) -> RenderConfig:
-    """The hf renderer without a tokenizer renders with the embedded target's own tokenizer and template."""
-    if serve.enabled and render.renderer == "hf" and not render.tokenizer:
-        return render.model_copy(update={"tokenizer": serve.model_dir})
-    return render
 
 
 def generation_complete(generate: GenerateConfig, run: RunDir) -> bool:
@@ -221,43 +211,12 @@ def check_features(t, target_config: dict, rep: Report) -> None:
            f"({sizes['largest_object_bytes']:,} B)")
 
 
-def models_problem(base_url: str, model: str, api_key: str | None, timeout_s: float) -> str | None:
-    """Ask `GET {base_url}/models`; None when it answers 200 and lists `model`, else the problem in one line
-    (unreachable, key rejected (401/403), another status, or the model missing from the list)."""
-    from regen.generate.client import redact_url
-
-    url = base_url.rstrip("/") + "/models"
-    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
-    shown = redact_url(base_url)
-    try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            body = resp.read()
-    except urllib.error.HTTPError as exc:
-        if exc.code in (401, 403):
-            return (f"endpoint {shown}: the API key was rejected (HTTP {exc.code} on GET /models); check the key "
-                    "in the variable named by generate.api_key_env")
-        return f"endpoint {shown}: GET /models answered HTTP {exc.code}; is this an OpenAI-compatible server?"
-    except (urllib.error.URLError, OSError) as exc:
-        reason = getattr(exc, "reason", exc)
-        return f"endpoint {shown}: unreachable ({reason}); check generate.endpoints and that the server is up"
-    try:
-        ids = [m.get("id") for m in json.loads(body).get("data", [])]
-    except (ValueError, AttributeError, TypeError):
-        return f"endpoint {shown}: GET /models did not return an OpenAI model list"
-    if model not in ids:
-        return (f"endpoint {shown}: serves {ids[:8]}, not generate.model {model!r}; fix generate.model "
-                "(--set generate.model=...) or the endpoint")
-    return None
-
-
 def check_endpoints(urls: list[str], model: str, api_key: str | None, timeout_s: float, rep: Report) -> None:
-    """Ask every endpoint's /models in parallel (16 at a time); one problem line per failing endpoint."""
-    with ThreadPoolExecutor(max_workers=min(16, max(1, len(urls)))) as pool:
-        answers = list(pool.map(lambda u: models_problem(u, model, api_key, timeout_s), urls))
-    for url, problem in zip(urls, answers):
-        if problem:
-            rep.bad(problem)
-    if urls and not any(answers):
+    """Ask every endpoint's /models (`regen.generate.endpoints`); one problem line per failing endpoint."""
+    problems = endpoint_problems(urls, model, api_key, timeout_s)
+    for problem in problems:
+        rep.bad(problem)
+    if urls and not problems:
         rep.ok(f"generate: {len(urls)} endpoint(s) list {model!r} and accept the key")
 
 

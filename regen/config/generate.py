@@ -19,6 +19,19 @@ DEFAULT_POLICIES = {
     "reasoning_leak": "keep_flagged",
     "unbalanced_think": "retry",
     "invalid_tool_args": "retry",
+    # issue 20: answers that must never become training data as they are
+    "content_filter": "drop",  # the server's filter stopped the answer; a retry rarely differs
+    "unfinished": "retry",  # finish_reason outside the allow-list (abort, null, ...): a partial answer
+    "text_after_end": "retry",  # text after the end-of-turn marker: a new sample usually stops
+    "over_max_tokens": "retry",  # more completion tokens than max_tokens: the server ran past its limit
+    "usage_inconsistent": "keep_flagged",  # reasoning_tokens > completion_tokens: accounting, the text is whole
+}
+# classes whose answer is partial, filtered or runs past its end: keeping it (keep_flagged, retry_larger) would
+# make training data of it
+RESTRICTED_POLICIES = {
+    "content_filter": ("drop", "retry"),
+    "unfinished": ("retry", "drop"),
+    "text_after_end": ("retry", "drop"),
 }
 
 
@@ -109,6 +122,9 @@ class GenerateConfig(BaseModel):
     reasoning_in_history: bool = True  # send earlier regenerated turns' reasoning_content back (interleaved thinking)
     policies: dict[str, str] = Field(default_factory=dict)  # quality class -> retry|retry_larger|keep_flagged|drop
     think_markers: list[str] = Field(default_factory=lambda: ["<think>", "</think>"])  # open, close
+    # the target template's end-of-turn strings (e.g. ["<|im_end|>"] for ChatML): an answer holding one with text
+    # after it is `text_after_end`; one echoed at the very end is stripped (flag end_marker_stripped). [] = no check
+    end_of_turn_markers: list[str] = Field(default_factory=list)
     timeouts: TimeoutConfig = Field(default_factory=TimeoutConfig)
     retry: RetryConfig = Field(default_factory=RetryConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
@@ -125,6 +141,17 @@ class GenerateConfig(BaseModel):
                 raise ValueError(f"unknown quality class {klass!r}; allowed: {sorted(DEFAULT_POLICIES)}")
             if policy not in POLICY_NAMES:
                 raise ValueError(f"policy {policy!r} for {klass!r} is not one of {list(POLICY_NAMES)}")
+            allowed = RESTRICTED_POLICIES.get(klass, POLICY_NAMES)
+            if policy not in allowed:
+                raise ValueError(f"policy {policy!r} for {klass!r}: such an answer must not become a row; use one "
+                                 f"of {list(allowed)}")
+        return value
+
+    @field_validator("end_of_turn_markers")
+    @classmethod
+    def _check_markers(cls, value: list[str]) -> list[str]:
+        if any(not m or m.isspace() for m in value):
+            raise ValueError("end_of_turn_markers: every marker must be a non-blank string, e.g. '<|im_end|>'")
         return value
 
     @field_validator("max_in_flight")

@@ -51,6 +51,10 @@ class RenderConfig(BaseModel):
     on_drift: Literal["keep", "drop"] = "drop"  # rows whose rendered prompt ids differ from prompt_token_ids
     require_reasoning: bool = False  # reject a generated turn whose reasoning_content is None
     content_part_types: list[str] = Field(default_factory=lambda: ["text"])
+    # control-token strings inside message text (`<|im_end|>` in a user message) where the renderer's tokenizer would
+    # parse them as control tokens (hf): `reject` the row (at select, before any request, and at render), or `keep`
+    # it and render them as the tokenizer does. The kimi-k3 renderer keeps such strings as text: nothing to reject.
+    control_tokens: Literal["reject", "keep"] = "reject"
     filters: list[str] = Field(
         default_factory=lambda: [
             "truncated", "empty_answer", "reasoning_leak", "tool_args", "repetition", "compression", "language",
@@ -60,3 +64,11 @@ class RenderConfig(BaseModel):
     filter_params: ResponseFilterParams = Field(default_factory=ResponseFilterParams)
     shard_max_rows: int = 100_000
     shard_max_tokens: int = 50_000_000  # int32 ids: about 200 MB before compression
+
+
+def effective_render_config(render: RenderConfig, serve) -> RenderConfig:
+    """The hf renderer without a tokenizer renders with the embedded target's own tokenizer and template
+    (`serve`: the profile's ServeConfig)."""
+    if serve.enabled and render.renderer == "hf" and not render.tokenizer:
+        return render.model_copy(update={"tokenizer": serve.model_dir})
+    return render

@@ -11,12 +11,23 @@ Two families of classes, each stored in `generations.error_class` (or `flags`):
   `context_length_exceeded` or a message about the context length (`OVERFLOW_MESSAGE`: the message is matched
   only to separate overflow from other 400s, never to decide a status family);
   `auth` (401, 403) is fatal: no request can succeed, so the run stops with an InputError.
-* quality classes of a 200 OK (`QUALITY_CLASSES`, checked in this order): `empty_body`, `truncated`
+* quality classes of a 200 OK (`QUALITY_CLASSES`, in the order `judge` reports them; the first whose policy
+  acts decides): `empty_body`; `content_filter` (finish_reason "content_filter": never training data);
+  `unfinished` (a finish_reason outside `FINISHED`, kept raw in the row: vLLM's "abort" (vLLM #57082), a stream
+  whose chunks all said null before [DONE] (vLLM #27572), "error", "eos_token", ...); `truncated`
   (finish_reason "length": thinking or answer cut by max_tokens), `empty_content` (no content and no tool
   calls), `invalid_tool_args` (function.arguments not a JSON object), `unbalanced_think` (think markers not
-  paired in content or reasoning), `reasoning_leak` (a paired think block inside content). Each has a policy
-  from the profile (`GenerateConfig.policy`): retry, retry_larger (max_tokens grows), keep_flagged (row kept
-  with status ok and the class in `flags`), drop (error row at once).
+  paired in content or reasoning), `reasoning_leak` (a paired think block inside content); `text_after_end`
+  (an end-of-turn marker of `generate.end_of_turn_markers` inside the answer with text after it: tokens past
+  the stop, SGLang #31599, vLLM PR #47616); `over_max_tokens` (usage.completion_tokens, or the server's
+  completion token ids, more than the request's max_tokens, SGLang #31599); `usage_inconsistent`
+  (completion_tokens_details.reasoning_tokens > completion_tokens, SGLang #39826, or a negative count). Each has
+  a policy from the profile (`GenerateConfig.policy`): retry, retry_larger (max_tokens grows), keep_flagged (row
+  kept with status ok and the class in `flags`), drop (error row at once). `unfinished` and `content_filter`
+  rows never keep the answer (`NO_PARTIAL`), and their policy cannot be keep_flagged. `judge` gives each class
+  its detail (the raw value, the numbers), stored in `error_detail`. An answer that merely ends with one echoed
+  end-of-turn marker (nothing after it) is not a fault: `strip_echoed_end` removes it and the row is flagged
+  `end_marker_stripped`.
 
 Source of the wire shapes: OpenAI chat-completions API reference (choices[].message, finish_reason, usage,
 error.code); vLLM's `return_token_ids` (top-level `prompt_token_ids`, `choices[].token_ids`).
@@ -27,17 +38,30 @@ import json
 import re
 from dataclasses import dataclass
 
+from filters.control_tokens import strip_echoed_end as strip_echo, text_after_end as marker_after_end
+
 TRANSIENT = ("rate_limited", "server_error", "timeout", "connection", "malformed")
 PERMANENT = ("bad_request", "context_overflow")
 FATAL = ("auth",)
 QUALITY_CLASSES = (
-    "empty_body", "truncated", "empty_content", "invalid_tool_args", "unbalanced_think", "reasoning_leak",
+    "empty_body", "content_filter", "unfinished", "truncated", "empty_content", "invalid_tool_args",
+    "unbalanced_think", "reasoning_leak", "text_after_end", "over_max_tokens", "usage_inconsistent",
 )
 # quality class -> broad kind, for the style guide's (transient, permanent, truncated, invalid) grouping
 QUALITY_KIND = {
-    "empty_body": "invalid", "truncated": "truncated", "empty_content": "invalid",
-    "invalid_tool_args": "invalid", "unbalanced_think": "invalid", "reasoning_leak": "invalid",
+    "empty_body": "invalid", "content_filter": "invalid", "unfinished": "transient", "truncated": "truncated",
+    "empty_content": "invalid", "invalid_tool_args": "invalid", "unbalanced_think": "invalid",
+    "reasoning_leak": "invalid", "text_after_end": "invalid", "over_max_tokens": "invalid",
+    "usage_inconsistent": "invalid",
 }
+# finish_reason values that mean a finished answer (OpenAI chat-completions reference; function_call: legacy)
+FINISHED = ("stop", "length", "tool_calls", "function_call")
+# quality classes whose error rows keep no answer text: the answer is partial or filtered, never training data
+NO_PARTIAL = ("unfinished", "content_filter")
+# server faults that a new sample fixes: with the transient classes, what `--retry-errors` re-sends by default
+RESAMPLE = ("unfinished", "text_after_end", "over_max_tokens")
+RETRY_DEFAULT = TRANSIENT + RESAMPLE
+END_MARKER_STRIPPED = "end_marker_stripped"  # flag of a row whose one echoed trailing end marker was removed
 
 
 class RequestFailure(Exception):
@@ -175,6 +199,7 @@ class Completion:
     ttft_s: float | None = None
     endpoint: str = ""
     num_chunks: int = 0  # SSE events with a JSON payload (streamed responses)
+    streamed: bool = False
 
     @property
     def num_completion_tokens(self) -> int | None:
@@ -196,7 +221,7 @@ class Completion:
     def num_reasoning_tokens(self) -> int | None:
         details = (self.usage or {}).get("completion_tokens_details") or {}
         value = details.get("reasoning_tokens") if isinstance(details, dict) else None
-        return int(value) if value is not None else None
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
 
     def assistant_message(self) -> dict:
         """The regenerated assistant turn as an OpenAI message (history for the next turn)."""
@@ -219,32 +244,117 @@ def _args_ok(arguments) -> bool:
         return False
 
 
-def check_completion(c: Completion, think_markers: tuple[str, str] | list[str] = ("<think>", "</think>")) -> list[str]:
-    """Quality classes of a 200 OK, in QUALITY_CLASSES order; [] means the completion is clean.
+def check_completion(c: Completion, think_markers: tuple[str, str] | list[str] = ("<think>", "</think>"),
+                     end_markers: tuple[str, ...] | list[str] = (), max_tokens: int | None = None) -> list[str]:
+    """Quality classes of a 200 OK, in QUALITY_CLASSES order; [] means the completion is clean (see `judge`).
 
     >>> check_completion(Completion(content="hi", finish_reason="stop"))
     []
     >>> check_completion(Completion(content="", finish_reason="length"))
     ['truncated', 'empty_content']
+    >>> check_completion(Completion(content="partial", finish_reason="abort"))
+    ['unfinished']
+    """
+    return [klass for klass, _ in judge(c, think_markers, end_markers, max_tokens)]
+
+
+def judge(c: Completion, think_markers: tuple[str, str] | list[str] = ("<think>", "</think>"),
+          end_markers: tuple[str, ...] | list[str] = (), max_tokens: int | None = None) -> list[tuple[str, str]]:
+    """`(quality class, detail)` of every fault of a 200 OK, in QUALITY_CLASSES order; [] means clean.
+
+    `end_markers`: the target template's end-of-turn strings (`generate.end_of_turn_markers`); `max_tokens`: the
+    request's. An empty body, a content_filter stop or an unfinished answer is reported alone (the rest of such an
+    answer is not judged: it is not an answer). The detail names the raw value or the numbers (for error_detail).
     """
     if c.empty_body:
-        return ["empty_body"]
+        return [("empty_body", "200 with no choice")]
+    if c.finish_reason == "content_filter":
+        return [("content_filter", "finish_reason 'content_filter': the server's filter stopped the answer")]
+    if c.finish_reason not in FINISHED:
+        return [("unfinished", unfinished_detail(c))]
     found = []
     if c.finish_reason == "length":
-        found.append("truncated")
+        found.append(("truncated", "finish_reason 'length': cut at max_tokens"))
     content = c.content or ""
     if not content.strip() and not c.tool_calls:
-        found.append("empty_content")
+        found.append(("empty_content", "no content and no tool calls"))
     if c.tool_calls and not all(_args_ok((tc.get("function") or {}).get("arguments")) for tc in c.tool_calls):
-        found.append("invalid_tool_args")
+        found.append(("invalid_tool_args", "a tool call's function.arguments is not a JSON object"))
     open_m, close_m = think_markers[0], think_markers[1]
     n_open, n_close = content.count(open_m), content.count(close_m)
     reasoning = c.reasoning_content or ""
     if n_open != n_close or reasoning.count(open_m) != reasoning.count(close_m):
-        found.append("unbalanced_think")
+        found.append(("unbalanced_think", f"{n_open} {open_m!r} and {n_close} {close_m!r} in content"))
     elif n_open:
-        found.append("reasoning_leak")
+        found.append(("reasoning_leak", f"{n_open} paired {open_m!r} block(s) in content"))
+    after = text_after_end(c, end_markers)
+    if after:
+        found.append(("text_after_end", after))
+    found.extend(usage_faults(c, max_tokens))
     return found
+
+
+def unfinished_detail(c: Completion) -> str:
+    """Why an answer is not finished, with the raw finish_reason."""
+    if c.finish_reason is None:
+        if c.streamed:
+            return ("finish_reason null in every chunk before [DONE]: the stream ended without saying the answer "
+                    "finished (vLLM #27572)")
+        return "finish_reason null or missing in the response"
+    return (f"finish_reason {c.finish_reason!r} is not one of {', '.join(FINISHED)} (vLLM sends 'abort' when the "
+            "engine aborts a request, vLLM #57082): a partial answer")
+
+
+def _answer_texts(c: Completion):
+    """(where, text) of every generated text of `c`, in generation order: reasoning, content, tool arguments."""
+    yield "reasoning_content", c.reasoning_content or ""
+    yield "content", c.content or ""
+    for j, tc in enumerate(c.tool_calls or []):
+        args = (tc.get("function") or {}).get("arguments")
+        yield f"tool_calls[{j}].function.arguments", args if isinstance(args, str) else ""
+
+
+def text_after_end(c: Completion, end_markers) -> str | None:
+    """The detail of the first end-of-turn marker inside the answer (reasoning, content, tool arguments), or None.
+
+    Run after `strip_echoed_end`: any marker still present is followed by more generated text."""
+    return marker_after_end(list(_answer_texts(c)), end_markers) if end_markers else None
+
+
+def strip_echoed_end(c: Completion, end_markers) -> str | None:
+    """Remove one end-of-turn marker that ends the content with nothing after it (whitespace aside), when it is
+    the only marker in the answer and no tool call follows; returns the marker removed, else None."""
+    if not end_markers or c.tool_calls or not (c.content or "").strip():
+        return None
+    c.content, marker = strip_echo(c.content, [c.reasoning_content or ""], end_markers)
+    return marker
+
+
+def usage_faults(c: Completion, max_tokens: int | None) -> list[tuple[str, str]]:
+    """`over_max_tokens` / `usage_inconsistent` findings of the server's usage (and token ids), with the numbers."""
+    out = []
+    usage = c.usage or {}
+    completion = usage.get("completion_tokens")
+    completion = completion if isinstance(completion, int) and not isinstance(completion, bool) else None
+    num_ids = len(c.completion_token_ids) if c.completion_token_ids is not None else None
+    if max_tokens is not None:
+        over = [f"{what} {n}" for what, n in (("usage.completion_tokens", completion), ("completion token ids", num_ids))
+                if n is not None and n > max_tokens]
+        if over:
+            out.append(("over_max_tokens", f"{' and '.join(over)} > max_tokens {max_tokens} of the request: the "
+                                           "server generated past its limit (SGLang #31599)"))
+    bad = []
+    reasoning = c.num_reasoning_tokens
+    for name, n in (("prompt_tokens", usage.get("prompt_tokens")), ("completion_tokens", completion),
+                    ("completion_tokens_details.reasoning_tokens", reasoning)):
+        if isinstance(n, int) and n < 0:
+            bad.append(f"usage.{name} {n} < 0")
+    if reasoning is not None and completion is not None and reasoning > completion:
+        bad.append(f"usage.completion_tokens_details.reasoning_tokens {reasoning} > usage.completion_tokens "
+                   f"{completion} (SGLang #39826)")
+    if bad:
+        out.append(("usage_inconsistent", "; ".join(bad)))
+    return out
 
 
 def tool_names(tool_calls: list[dict] | None) -> list[str]:

@@ -2,7 +2,8 @@
 
 `ChatClient.complete(body)` sends ONE attempt of an OpenAI `/v1/chat/completions` request and returns a
 `regen.generate.checks.Completion` or raises `regen.generate.checks.RequestFailure` with a class decided by exception type and
-HTTP status. Retrying is the caller's job (`regen.generate.stage`), with `backoff_delay`.
+HTTP status (what the answer's bytes mean, 200 or not: `regen.generate.wire`). Retrying is the caller's job
+(`regen.generate.stage`), with `backoff_delay`.
 
 * In flight: at most `max_in_flight` attempts at once (a semaphore); the pool routes each to the healthy
   endpoint with the fewest outstanding requests (least-outstanding-requests).
@@ -26,25 +27,13 @@ import asyncio
 import collections
 import random
 import time
-from email.utils import parsedate_to_datetime
 
 import aiohttp
 
-from regen.generate.checks import Completion, RequestFailure, classify_status, error_detail, error_object
+from regen.generate.checks import Completion, RequestFailure, classify_status
 from regen.config.generate import ConcurrencyConfig, HealthConfig, RetryConfig, TimeoutConfig
 from regen.generate.concurrency import ConcurrencyController, parse_gauges
-
-try:
-    import orjson
-
-    _loads, _dumps = orjson.loads, orjson.dumps
-except ImportError:  # pragma: no cover - orjson ships with prefect
-    import json
-
-    _loads = json.loads
-
-    def _dumps(obj):
-        return json.dumps(obj, ensure_ascii=False).encode()
+from regen.generate.wire import dumps, http_failure, normalize, parse_body, parse_retry_after, read_stream  # noqa: F401
 
 
 def backoff_delay(attempt: int, cfg: RetryConfig, retry_after_s: float | None = None) -> float:
@@ -55,20 +44,6 @@ def backoff_delay(attempt: int, cfg: RetryConfig, retry_after_s: float | None = 
     if retry_after_s is not None:  # spread over [1, 1.5] x Retry-After, so retries do not arrive in lockstep
         delay = max(delay, min(retry_after_s, cfg.max_retry_after_s) * random.uniform(1.0, 1.5))
     return delay
-
-
-def parse_retry_after(value: str | None) -> float | None:
-    """Retry-After header (delta-seconds, fractional accepted, or an HTTP date; RFC 9110 10.2.3) -> seconds."""
-    if not value:
-        return None
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        pass
-    try:
-        return max(0.0, parsedate_to_datetime(value).timestamp() - time.time())
-    except (TypeError, ValueError):
-        return None
 
 
 def redact_url(url: str) -> str:
@@ -321,7 +296,7 @@ class ChatClient:
 
         Returns a Completion (quality not yet checked); raises RequestFailure on transport or HTTP errors.
         """
-        payload = _dumps(body)
+        payload = dumps(body)
         headers = self._headers if request_key is None else {**self._headers, "X-Regen-Request-Key": request_key}
         async with self._sem:
             ep = await self.pool.acquire(self.max_wait_s)
@@ -350,12 +325,12 @@ class ChatClient:
                 async with asyncio.timeout(self.timeouts.first_byte) as cm:
                     async with self._session.post(ep.url, data=payload, headers=headers) as resp:
                         if resp.status != 200:
-                            raise await _http_failure(resp)
+                            raise await http_failure(resp)
                         if stream:
                             phase = "between_chunks"
-                            c = await _read_stream(resp, cm, t0, self.timeouts.between_chunks)
+                            c = await read_stream(resp, cm, t0, self.timeouts.between_chunks)
                         else:
-                            c = _parse_body(await resp.read())
+                            c = parse_body(await resp.read())
                             c.ttft_s = loop.time() - t0
         except RequestFailure:
             raise
@@ -368,194 +343,4 @@ class ChatClient:
             raise RequestFailure("connection", f"{type(exc).__name__} at {ep.name}") from exc
         c.latency_s = loop.time() - t0
         c.endpoint = ep.name
-        return _normalize(c)
-
-
-async def _http_failure(resp: aiohttp.ClientResponse) -> RequestFailure:
-    """A non-200 response -> RequestFailure classified by status and the body's error object (`checks.error_object`);
-    its detail keeps the start of the server's message (bounded, secrets redacted: `checks.error_detail`)."""
-    code = message = None
-    try:
-        raw = await resp.content.read(65536)
-    except (aiohttp.ClientError, OSError):
-        raw = b""
-    try:
-        err = error_object(_loads(raw)) if raw else None
-    except ValueError:
-        err = None
-    if err is not None:
-        code, message = err.get("code"), err.get("message")
-        if isinstance(code, str) and code.isdigit():
-            code = int(code)
-    elif raw:  # not JSON (a proxy's HTML or text page): keep its start for humans, never classify by it
-        message = raw[:1024].decode("utf-8", "replace")
-    retry_after = parse_retry_after(resp.headers.get("Retry-After"))
-    klass = classify_status(resp.status, code, message if err is not None else None)
-    return RequestFailure(klass, error_detail(resp.status, message), resp.status, retry_after)
-
-
-def _text(value) -> str | None:
-    if value is None or isinstance(value, str):
-        return value
-    if isinstance(value, list):  # content parts: keep the text parts
-        return "".join(p.get("text") or "" if isinstance(p, dict) else str(p) for p in value)
-    return _dumps(value).decode()
-
-
-def _ids(value) -> list[int] | None:
-    if value is None:
-        return None
-    if not isinstance(value, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in value):
-        raise RequestFailure("malformed", "token ids are not a list of integers")
-    return value
-
-
-def _normalize(c: Completion) -> Completion:
-    """Coerce a parsed completion into the types the generation schema stores; RequestFailure("malformed")
-    when a field cannot be (a server's answer must never crash the writer)."""
-    c.content, c.reasoning_content = _text(c.content), _text(c.reasoning_content)
-    if c.finish_reason is not None and not isinstance(c.finish_reason, str):
-        c.finish_reason = str(c.finish_reason)
-    if c.tool_calls is not None:
-        if not isinstance(c.tool_calls, list):
-            raise RequestFailure("malformed", "tool_calls is not a list")
-        calls = []
-        for tc in c.tool_calls:
-            fn = tc.get("function") if isinstance(tc, dict) else None
-            if not isinstance(fn, dict):
-                raise RequestFailure("malformed", "tool call without a function object")
-            args = fn.get("arguments")
-            calls.append({"id": _text(tc.get("id")), "type": _text(tc.get("type")) or "function",
-                          "function": {"name": _text(fn.get("name")),
-                                       "arguments": args if args is None or isinstance(args, str) else _text(args)}})
-        c.tool_calls = calls or None
-    c.prompt_token_ids, c.completion_token_ids = _ids(c.prompt_token_ids), _ids(c.completion_token_ids)
-    if c.usage is not None and not isinstance(c.usage, dict):
-        c.usage = None
-    if c.usage:
-        for k in ("prompt_tokens", "completion_tokens"):
-            if not isinstance(c.usage.get(k), (int, type(None))):
-                c.usage = {kk: v for kk, v in c.usage.items() if kk != k}
-    return c
-
-
-def _message_fields(c: Completion, msg: dict) -> None:
-    c.content = msg.get("content")
-    c.reasoning_content = msg.get("reasoning_content") or msg.get("reasoning")
-    c.tool_calls = msg.get("tool_calls") or None
-
-
-def _parse_body(data: bytes) -> Completion:
-    """A non-streamed 200 body -> Completion; empty -> empty_body; not JSON -> RequestFailure("malformed")."""
-    if not data.strip():
-        return Completion(empty_body=True)
-    try:
-        obj = _loads(data)
-    except ValueError as exc:
-        raise RequestFailure("malformed", "response body is not JSON") from exc
-    if not isinstance(obj, dict):
-        raise RequestFailure("malformed", "response body is not a JSON object")
-    if "error" in obj and not obj.get("choices"):
-        err = error_object(obj) or {}
-        raise RequestFailure("server_error", error_detail(200, f"error object in a 200 response: {err.get('message')}"))
-    choices = obj.get("choices")
-    if not choices:
-        return Completion(empty_body=True, usage=obj.get("usage"))
-    ch = choices[0]
-    if not isinstance(ch, dict) or not isinstance(ch.get("message"), dict):
-        raise RequestFailure("malformed", "choices[0].message missing")
-    c = Completion(finish_reason=ch.get("finish_reason"), usage=obj.get("usage"))
-    _message_fields(c, ch["message"])
-    c.prompt_token_ids = obj.get("prompt_token_ids") or ch.get("prompt_token_ids")
-    c.completion_token_ids = ch.get("token_ids")
-    return c
-
-
-async def _read_stream(resp: aiohttp.ClientResponse, cm, t0: float, between_s: float) -> Completion:
-    """Parse an SSE stream of chat.completion.chunk events (OpenAI streaming reference) into a Completion.
-
-    Moves the timeout `cm` to now + between_s at most once a second. A stream that ends without `[DONE]`
-    and without a finish_reason raises RequestFailure("connection") (closed mid-stream).
-    """
-    loop = asyncio.get_running_loop()
-    content, reasoning, token_ids = [], [], []
-    calls: dict[int, dict] = {}
-    c = Completion()
-    done = seen_choice = False
-    buf = b""
-    last_move = -1.0
-    async for data in resp.content.iter_any():
-        now = loop.time()
-        if c.ttft_s is None:
-            c.ttft_s = now - t0
-        if now - last_move > 1.0:
-            cm.reschedule(now + between_s)
-            last_move = now
-        buf += data
-        if b"\n" not in data:
-            continue
-        lines = buf.split(b"\n")
-        buf = lines.pop()
-        for line in lines:
-            if not line.startswith(b"data:"):
-                continue
-            payload = line[5:].strip()
-            if payload == b"[DONE]":
-                done = True
-                continue
-            try:
-                obj = _loads(payload)
-                choices = obj.get("choices")
-            except (ValueError, AttributeError) as exc:
-                raise RequestFailure("malformed", "SSE event is not a JSON object") from exc
-            c.num_chunks += 1
-            if "error" in obj and not choices:
-                raise RequestFailure("server_error", "error event in stream")
-            if obj.get("usage"):
-                c.usage = obj["usage"]
-            if obj.get("prompt_token_ids"):
-                c.prompt_token_ids = obj["prompt_token_ids"]
-            if not choices:
-                continue
-            ch = choices[0]
-            seen_choice = True
-            delta = ch.get("delta") or {}
-            piece = delta.get("content")
-            if piece:
-                content.append(piece)
-            piece = delta.get("reasoning_content") or delta.get("reasoning")
-            if piece:
-                reasoning.append(piece)
-            if delta.get("tool_calls"):
-                _merge_tool_calls(calls, delta["tool_calls"])
-            ids = ch.get("token_ids")
-            if ids:
-                token_ids.extend(ids)
-            if ch.get("prompt_token_ids"):
-                c.prompt_token_ids = ch["prompt_token_ids"]
-            if ch.get("finish_reason") is not None:
-                c.finish_reason = ch["finish_reason"]
-    if not done and c.finish_reason is None:
-        raise RequestFailure("connection", "stream ended before [DONE]")
-    if not seen_choice:
-        c.empty_body = True
-        return c
-    c.content = "".join(content) if content else ("" if c.finish_reason else None)
-    c.reasoning_content = "".join(reasoning) or None
-    c.tool_calls = [calls[i] for i in sorted(calls)] or None
-    c.completion_token_ids = token_ids or None
-    return c
-
-
-def _merge_tool_calls(calls: dict[int, dict], deltas: list[dict]) -> None:
-    """Accumulate streamed tool-call deltas by `index` (id/name once, arguments concatenated)."""
-    for d in deltas:
-        i = d.get("index", len(calls))
-        tc = calls.setdefault(i, {"id": None, "type": "function", "function": {"name": None, "arguments": ""}})
-        if d.get("id"):
-            tc["id"] = d["id"]
-        fn = d.get("function") or {}
-        if fn.get("name"):
-            tc["function"]["name"] = fn["name"]
-        if fn.get("arguments"):
-            tc["function"]["arguments"] += fn["arguments"]
+        return normalize(c)

@@ -21,6 +21,8 @@ The live set is what the ledger lists, never the directory listing. Two more kin
 each one atomic append: `{"path": P, "removed": reason, "quarantine": {...}}` takes part P out, and
 `{"path": N, ..., "replaces": P, "reason": ..., "quarantine": {...}}` lists N in P's place (P's rows minus the
 superseded ones, which were written to `quarantine/` before the line). Both stay in the ledger: the audit trail.
+`replace_rows` (used by `regen generate --recheck`) supersedes rows and lists their replacements in one
+crash-safe step (`replace-pending.json` is its commit point; `recover` finishes it).
 
 Integrity. `verify_parts` checks every listed part against its ledger line (exists, size, sha256, Parquet footer
 and row count). `recover` refuses damaged parts with an InputError naming each file, unless `repair=True`: then
@@ -43,7 +45,7 @@ from dataclasses import dataclass
 
 from regen.errors import InputError
 from schemas.generation import GENERATION_SCHEMA
-from schemas.io import _fsync_dir, sha256_file, write_parquet_atomic
+from schemas.io import _fsync_dir, read_json, sha256_file, write_json_atomic, write_parquet_atomic
 
 try:
     import orjson
@@ -237,6 +239,41 @@ def supersede(directory: Path, keys: set[str], reason: str) -> dict:
     return {"rows": num_rows, "parts": num_parts}
 
 
+REPLACE_PENDING = "replace-pending.json"  # the commit point of a `replace_rows` (rows in replace-pending.parquet)
+
+
+def replace_rows(directory: Path, remove: set[str], rows: list[dict], reason: str) -> dict:
+    """Take the live rows whose request_key is in `remove` out into `quarantine/` (`supersede`) and list `rows` (new
+    GENERATION_SCHEMA dicts) in their place, as one operation a crash cannot leave half done: the new rows and the
+    keys go to `replace-pending.parquet` / `.json` first (the JSON is the commit point), and `recover` finishes a
+    pending replace (`_finish_replace`). Returns {"rows": rows taken out, "parts": parts rewritten, "written": n}.
+    Must run while no writer is active."""
+    directory = Path(directory)
+    write_parquet_atomic(rows_to_table(rows), directory / "replace-pending.parquet", GENERATION_SCHEMA)
+    token = f"{reason}-{time.time_ns()}"
+    write_json_atomic({"reason": reason, "remove": sorted(remove), "id": token}, directory / REPLACE_PENDING)
+    return _finish_replace(directory)
+
+
+def _finish_replace(directory: Path) -> dict:
+    """Finish the pending replace of `directory` (idempotent): supersede, write the part (its ledger line carries
+    the replace id, so a rerun after the line sees it done), remove the pending files."""
+    pending = read_json(directory / REPLACE_PENDING)
+    out = {"rows": 0, "parts": 0, "written": 0}
+    if pending is not None:
+        done = any(e.get("replace_id") == pending["id"] for e in ledger_lines(directory))
+        if not done:
+            out.update(supersede(directory, set(pending["remove"]), pending["reason"]))
+            table = pq.read_table(directory / "replace-pending.parquet")
+            if table.num_rows:
+                _write_part(directory, pending["reason"], table, {"replace_id": pending["id"]})
+            out["written"] = table.num_rows
+    for name in (REPLACE_PENDING, "replace-pending.parquet"):
+        (directory / name).unlink(missing_ok=True)
+    _fsync_dir(directory)
+    return out
+
+
 def _dependent_keys(index: pa.Table) -> set[str]:
     """Request keys of rows that follow a missing turn of the same prompt (their history holds the lost answer)."""
     d = index.select(["request_key", "prompt_id", "turn"]).to_pydict()
@@ -312,6 +349,10 @@ def recover(directory: Path, repair: bool = False) -> dict:
         _append_line(directory / f"ledger-{writer}.jsonl", _dumps(info) + b"\n")
         adopted += 1
     report = {"parts_adopted": adopted, "journal_rows_recovered": 0}
+    if (directory / REPLACE_PENDING).exists():  # a replace_rows cut by a crash: finish it
+        report["replace_finished"] = _finish_replace(directory)
+    elif (directory / "replace-pending.parquet").exists():  # cut before its commit point: never happened
+        (directory / "replace-pending.parquet").unlink()
     problems = verify_parts(directory)
     if problems and not repair:
         raise InputError(problems_message(directory, problems, directory.parent))
@@ -333,6 +374,11 @@ def recover(directory: Path, repair: bool = False) -> dict:
             j.unlink()
         _fsync_dir(directory)
     return report
+
+
+def read_part(path: Path, columns: list[str] | None = None) -> pa.Table:
+    """One listed part as a table; InputError naming it when it is missing or unreadable."""
+    return _read_part(path, columns)
 
 
 def _read_part(path: Path, columns: list[str] | None = None) -> pa.Table:

@@ -17,7 +17,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from regen.generate import ledger as ledger_mod
-from regen.generate.checks import QUALITY_KIND, Completion, RequestFailure, check_completion
+from regen.generate.checks import (END_MARKER_STRIPPED, NO_PARTIAL, QUALITY_KIND, Completion, RequestFailure, judge,
+                                   strip_echoed_end)
 from regen.generate.client import ChatClient, backoff_delay
 from regen.config.generate import GenerateConfig
 from regen.generate.conversation import (fill_missing_call_ids, history_message, next_segment, request_body,
@@ -28,6 +29,7 @@ from schemas.messages import message_from_arrow, message_to_arrow
 from schemas.prompt import canonical_json
 
 PROMPT_COLUMNS = ["prompt_id", "messages", "tools", "category", "language"]
+NOTED = ("usage_inconsistent", "over_max_tokens")  # flagged classes whose numbers go in error_detail
 
 
 class FatalStop(Exception):
@@ -135,15 +137,17 @@ class Runner:
             "request_params": self.request_params, "finished_at": None, "flags": [],
         }
 
-    def _fill(self, row: dict, c: Completion | None) -> dict:
+    def _fill(self, row: dict, c: Completion | None, answer: bool = True) -> dict:
+        """The completion's fields into `row`; `answer=False` keeps its text and ids out (a partial answer)."""
         if c is not None:
             row.update(
-                reasoning_content=c.reasoning_content, content=c.content, tool_calls=c.tool_calls,
-                finish_reason=c.finish_reason, prompt_token_ids=c.prompt_token_ids,
-                completion_token_ids=c.completion_token_ids, num_prompt_tokens=c.num_prompt_tokens,
+                finish_reason=c.finish_reason, num_prompt_tokens=c.num_prompt_tokens,
                 num_completion_tokens=c.num_completion_tokens, num_reasoning_tokens=c.num_reasoning_tokens,
                 latency_s=c.latency_s, ttft_s=c.ttft_s, endpoint=c.endpoint,
             )
+            if answer:
+                row.update(reasoning_content=c.reasoning_content, content=c.content, tool_calls=c.tool_calls,
+                           prompt_token_ids=c.prompt_token_ids, completion_token_ids=c.completion_token_ids)
         return row
 
     def _skipped(self, p: dict, turns: range, reason: str, stop_key: str) -> list[dict]:
@@ -185,21 +189,25 @@ class Runner:
                     continue
                 row.update(status="error", error_class=f.error_class, error_detail=f.detail, attempts=attempt)
                 return row, None
-            classes = check_completion(c, cfg.think_markers)
+            stripped = strip_echoed_end(c, cfg.end_of_turn_markers)
+            found = dict(judge(c, cfg.think_markers, cfg.end_of_turn_markers, body.get("max_tokens")))
+            classes = list(found)
             acting = [k for k in classes if cfg.policy(k) != "keep_flagged"]
             self.metrics.attempt(acting[0] if acting else None, c.num_completion_tokens or c.num_chunks,
                                  c.num_prompt_tokens or 0, c.latency_s, c.ttft_s)
             if not acting:
                 self._fill(row, c)
-                row.update(status="ok", flags=classes, attempts=attempt)
+                noted = [found[k] for k in classes if k in NOTED]
+                row.update(status="ok", flags=classes + ([END_MARKER_STRIPPED] if stripped else []),
+                           attempts=attempt, error_detail="; ".join(noted) or None)
                 return row, c
             klass = acting[0]
             policy = cfg.policy(klass)
             if policy == "drop" or attempt >= cfg.retry.max_attempts:
-                self._fill(row, c)
+                self._fill(row, c, answer=klass not in NO_PARTIAL)
                 why = "dropped by policy" if policy == "drop" else f"{policy}: {attempt} attempts"
                 row.update(status="error", error_class=klass, flags=classes,
-                           error_detail=f"{QUALITY_KIND[klass]}: {why}", attempts=attempt)
+                           error_detail=f"{QUALITY_KIND[klass]}: {why}; {found[klass]}", attempts=attempt)
                 return row, None
             if policy == "retry_larger":
                 body["max_tokens"] = min(cfg.retry.max_tokens_cap, int(body["max_tokens"] * cfg.retry.larger_factor))

@@ -1,7 +1,7 @@
 """`regen generate`: regenerate every prompt with the target over OpenAI-compatible HTTP into generations/.
 
     regen generate --profile P --run DIR [--endpoint URL ...] [--max-in-flight N] [--ray ADDRESS|auto|local]
-                   [--repair] [--retry-errors [--classes server_error,timeout,...]]
+                   [--repair] [--recheck] [--retry-errors [--classes server_error,timeout,...]]
 
 Reads `prompts/part-*.parquet`, writes `generations/` (see `regen.generate.ledger` for the layout and the exactly-once
 rules): one GENERATION_SCHEMA row per (prompt_id, turn) unit (`regen.generate.conversation` defines units, history and
@@ -16,7 +16,11 @@ that changed; rows accepted under other rules are never mixed in.
 
 Damaged parts (`regen.generate.ledger.verify_parts`: sha256, size, footer, rows against the ledger) stop the run
 with an InputError naming each file; `--repair` quarantines them and re-requests exactly their rows.
-`--retry-errors` re-sends the error rows of the chosen classes (default: the transient ones, TRANSIENT) and the
+`--recheck` judges the `ok` rows already held by the current checks (runs made before a check existed:
+`regen.generate.recheck`); faulty ones become error rows that `--retry-errors` re-sends. A stamp that predates a
+rule (a policy added later, the end-of-turn markers) is not a change: the rule is adopted and recorded.
+`--retry-errors` re-sends the error rows of the chosen classes (default: RETRY_DEFAULT, the transient ones and
+the server faults a new sample fixes) and the
 later turns skipped after them: those rows move to `generations/quarantine/` (listed in the ledger, visible in
 `regen query` as `superseded`), the units are requested again, and the manifest's `retries` says what came back.
 
@@ -37,8 +41,9 @@ from pathlib import Path
 
 from regen.generate import ledger as ledger_mod
 from regen.generate.client import redact_url
+from regen.generate.endpoints import require_endpoints
 from regen.config.generate import DEFAULT_POLICIES, GenerateConfig
-from regen.generate.checks import PERMANENT, QUALITY_CLASSES, TRANSIENT
+from regen.generate.checks import PERMANENT, QUALITY_CLASSES, RETRY_DEFAULT, TRANSIENT
 from regen.generate.conversation import (request_config, turn_positions)
 from regen.errors import InputError
 from regen.generate.metrics import merge_summaries, write_throughput
@@ -125,14 +130,30 @@ def accounting(gen_dir: Path, files: list[Path]) -> dict:
 
 
 def acceptance(cfg: GenerateConfig) -> dict:
-    """The rules that decide which answers become rows: every quality class's policy (defaults filled in) and the
-    think markers. Part of the identity checked on resume."""
-    return {"policies": {k: cfg.policy(k) for k in sorted(DEFAULT_POLICIES)}, "think_markers": list(cfg.think_markers)}
+    """The rules that decide which answers become rows: every quality class's policy (defaults filled in), the
+    think markers and the end-of-turn markers. Part of the identity checked on resume."""
+    return {"policies": {k: cfg.policy(k) for k in sorted(DEFAULT_POLICIES)}, "think_markers": list(cfg.think_markers),
+            "end_of_turn_markers": list(cfg.end_of_turn_markers)}
+
+
+def adopted_rules(stamp: dict | None, cfg: GenerateConfig) -> list[str]:
+    """Acceptance rules the stamp of a run made before they existed does not record (a policy added later, the
+    end-of-turn markers): `field = value` lines, adopted at the value `cfg` gives them (its default unless the
+    profile sets it). The rows recorded before were not judged by them; `regen generate --recheck` judges them."""
+    was = (stamp or {}).get("acceptance")
+    if was is None:
+        return []
+    now = acceptance(cfg)
+    out = [f"generate.policies.{k} = {v}" for k, v in now["policies"].items() if k not in was.get("policies", {})]
+    if "end_of_turn_markers" not in was:
+        out.append(f"generate.end_of_turn_markers = {now['end_of_turn_markers']}")
+    return out
 
 
 def check_identity(cfg: GenerateConfig, gen_dir: Path) -> dict | None:
     """The stamp of `gen_dir` (None for a new directory). Raises InputError when the request config or the
-    acceptance rules differ from the stamp's, naming what changed and what to do."""
+    acceptance rules differ from the stamp's, naming what changed and what to do. A rule the stamp does not
+    record (it predates the rule) is not a change: it is adopted (`adopted_rules`, recorded by the run)."""
     stamp = read_json(gen_dir / "request_config.json")
     chash = config_hash(cfg)
     if stamp and stamp.get("config_hash") != chash:
@@ -140,10 +161,14 @@ def check_identity(cfg: GenerateConfig, gen_dir: Path) -> dict | None:
                          "model, sampling or extra_body changed); use a new --run directory or remove generations/")
     if stamp and stamp.get("acceptance") is not None:
         was, now = stamp["acceptance"], acceptance(cfg)
-        changed = [f"generate.policies.{k}: {was['policies'].get(k)} -> {v}"
-                   for k, v in now["policies"].items() if was["policies"].get(k) != v]
-        restore = [f"--set generate.policies.{k}={was['policies'][k]}"
-                   for k, v in now["policies"].items() if was["policies"].get(k) not in (v, None)]
+        known = was.get("policies", {})
+        changed = [f"generate.policies.{k}: {known[k]} -> {v}"
+                   for k, v in now["policies"].items() if k in known and known[k] != v]
+        restore = [f"--set generate.policies.{k}={known[k]}"
+                   for k, v in now["policies"].items() if k in known and known[k] != v]
+        if "end_of_turn_markers" in was and was["end_of_turn_markers"] != now["end_of_turn_markers"]:
+            changed.append(f"generate.end_of_turn_markers: {was['end_of_turn_markers']} -> {now['end_of_turn_markers']}")
+            restore.append("generate.end_of_turn_markers as before")
         if was.get("think_markers") != now["think_markers"]:
             changed.append(f"generate.think_markers: {was.get('think_markers')} -> {now['think_markers']}")
             restore.append("generate.think_markers as before")
@@ -156,17 +181,18 @@ def check_identity(cfg: GenerateConfig, gen_dir: Path) -> dict | None:
 
 
 def parse_retry_classes(text: str | list[str] | None) -> tuple[str, ...]:
-    """`--classes` (comma list or list) -> error classes; None/empty -> the transient ones (TRANSIENT).
+    """`--classes` (comma list or list) -> error classes; None/empty -> RETRY_DEFAULT (the transient classes and
+    the server faults a new sample fixes: unfinished, text_after_end, over_max_tokens).
 
     Raises InputError for a class that no error row can have (the allowed ones are listed)."""
     if not text:
-        return TRANSIENT
+        return RETRY_DEFAULT
     items = [c.strip() for c in (text.split(",") if isinstance(text, str) else text) if c.strip()]
     allowed = TRANSIENT + PERMANENT + QUALITY_CLASSES
     bad = [c for c in items if c not in allowed]
     if bad:
         raise InputError(f"--classes: unknown error class(es) {bad}; allowed: {', '.join(allowed)} "
-                         f"(default: {','.join(TRANSIENT)})")
+                         f"(default: {','.join(RETRY_DEFAULT)})")
     return tuple(dict.fromkeys(items))
 
 
@@ -235,8 +261,10 @@ def run_generate(cfg: GenerateConfig, run: RunDir, *, endpoints: list[str] | Non
 
     Resumable: recorded units are not requested again; a complete run with the same request config
     returns its manifest at once (after checking every part's sha256). `repair`: quarantine damaged parts and
-    re-request their rows; `retry_classes` (a comma list, list, or "" for the transient ones): re-send those
-    error rows (module doc). Raises InputError for missing prompts/endpoints/API key, a directory produced with
+    re-request their rows; `retry_classes` (a comma list, list, or "" for RETRY_DEFAULT): re-send those
+    error rows (module doc). Before any request, every endpoint must answer `GET /models`, accept the key and
+    list `cfg.model` (`regen.generate.endpoints.require_endpoints`). Raises InputError for missing
+    prompts/endpoints/API key, an endpoint that fails that check (EndpointsRefused), a directory produced with
     another request config or other response policies, damaged parts without `repair`, or a fatal endpoint error
     (401/403).
     """
@@ -255,6 +283,7 @@ def run_generate(cfg: GenerateConfig, run: RunDir, *, endpoints: list[str] | Non
             return old
     urls = resolve_endpoints(cfg, endpoints)
     api_key = api_key_from_env(cfg)
+    require_endpoints(urls, cfg.model, api_key, cfg.timeouts.connect)  # before any request, whoever called
     with _run_lock(gen_dir):
         prepared = _prepare_locked(gen_dir, repair, retry_classes)
         return _generate_locked(cfg, run, files, urls, api_key, chash, stamp, old, ray_address, progress, prepared)
@@ -273,11 +302,58 @@ def _run_lock(gen_dir: Path):
         yield
 
 
+def _write_stamp(cfg: GenerateConfig, gen_dir: Path, stamp: dict | None) -> list[str]:
+    """Write `request_config.json` where it is missing or predates a rule (`adopted_rules`, kept in its `adopted`
+    history); returns the rules adopted now."""
+    adopted = adopted_rules(stamp, cfg)
+    if not stamp or stamp.get("acceptance") is None or adopted:  # a stamp from before a rule existed: adopt it
+        history = (stamp or {}).get("adopted", []) + [{"at": round(time.time(), 3), "rules": adopted}] * bool(adopted)
+        write_json_atomic({"config_hash": config_hash(cfg), "request_config": request_config(cfg),
+                           "acceptance": acceptance(cfg), **({"adopted": history} if history else {})},
+                          gen_dir / "request_config.json")
+    return adopted
+
+
+def recheck_run(cfg: GenerateConfig, run: RunDir) -> dict:
+    """`regen generate --recheck`: judge the `ok` rows already held by cfg's checks and policies
+    (`regen.generate.recheck`); faulty ones become error rows (and their later turns skipped rows) that
+    `--retry-errors` re-sends. Sends no request. Updates the manifest (parts, accounting, `rechecks`) when there
+    is one; returns {"recheck": report, "manifest": manifest or None}. Raises InputError like `run_generate` for
+    a directory made with another request config or changed policies, or damaged parts."""
+    from regen.generate.recheck import recheck
+
+    files = prompt_files(run)
+    gen_dir = run.generations
+    if not ledger_mod.listed_parts(gen_dir) and not list(gen_dir.glob("journal-*.jsonl")):
+        raise InputError(f"{gen_dir}: no generation rows to recheck; run `regen generate --run {run.root}` first")
+    stamp = check_identity(cfg, gen_dir)
+    with _run_lock(gen_dir):
+        recovered = ledger_mod.recover(gen_dir)
+        adopted = _write_stamp(cfg, gen_dir, stamp)
+        report = {"at": round(time.time(), 3), **recheck(cfg, gen_dir), "adopted_rules": adopted}
+        manifest = run.manifest(gen_dir)
+        if manifest:
+            acc = accounting(gen_dir, files)
+            manifest.update(parts=sorted(ledger_mod.listed_parts(gen_dir).values(), key=lambda e: e["path"]),
+                            accounting=acc, complete=acc["balanced"],
+                            rechecks=(manifest.get("rechecks") or []) + [report])
+            if recovered.get("journal_rows_recovered") or recovered.get("parts_adopted"):
+                manifest["recovered"] = recovered
+            run.write_manifest(gen_dir, manifest)
+    return {"recheck": report, "manifest": manifest or None}
+
+
+def format_recheck(report: dict) -> str:
+    errs = ", ".join(f"{k}={v}" for k, v in sorted(report["now_error"].items())) or "none"
+    flags = ", ".join(f"{k}={v}" for k, v in sorted(report["would_flag"].items()))
+    return (f"recheck: {report['checked']} ok rows judged by the current checks; now error rows: {errs} (and "
+            f"{report['later_turns_skipped']} later turns skipped after them; `--retry-errors` re-sends them)"
+            + (f"; left as they are but would be flagged now: {flags}" if flags else ""))
+
+
 def _generate_locked(cfg, run, files, urls, api_key, chash, stamp, old, ray_address, progress, prepared) -> dict:
     gen_dir = run.generations
-    if not stamp or stamp.get("acceptance") is None:  # (a stamp from before the policies were part of it: adopt)
-        write_json_atomic({"config_hash": chash, "request_config": request_config(cfg), "acceptance": acceptance(cfg)},
-                          gen_dir / "request_config.json")
+    adopted = _write_stamp(cfg, gen_dir, stamp)
     repaired = prepared["recovered"]
     t0 = time.time()
     if ray_address:
@@ -298,6 +374,7 @@ def _generate_locked(cfg, run, files, urls, api_key, chash, stamp, old, ray_addr
         "session_wall_s": round(time.time() - t0, 3),
         "sessions": ((old or {}).get("sessions") or []) + [{"started": t0, "wall_s": round(time.time() - t0, 3)}],
         "retries": (old or {}).get("retries") or [],
+        **({"adopted_rules": adopted} if adopted else {}),
     }
     retry = _retry_report(gen_dir)
     if retry is not None:
@@ -339,11 +416,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--repair", action="store_true",
                         help="move damaged generations parts to generations/quarantine/ and re-request exactly their rows")
+    parser.add_argument("--recheck", action="store_true",
+                        help="judge the ok rows already held by the current checks and policies first: faulty ones "
+                             "become error rows (their later turns skipped) that --retry-errors re-sends; alone, "
+                             "sends no request")
     parser.add_argument("--retry-errors", action="store_true",
                         help="re-send the error rows of --classes and the later turns skipped after them")
     parser.add_argument("--classes", default=None, metavar="CLASS,...",
-                        help=f"with --retry-errors: error classes to re-send (default: {','.join(TRANSIENT)}; "
-                             "bad_request and context_overflow only when named)")
+                        help=f"with --retry-errors: error classes to re-send (default: {','.join(RETRY_DEFAULT)}; "
+                             "bad_request, context_overflow and the other quality classes only when named)")
 
 
 def _in_flight_arg(value: str) -> int | str:
@@ -365,12 +446,24 @@ def main(args) -> int:
     if args.classes and not args.retry_errors:
         raise InputError("--classes needs --retry-errors (it names the error classes to re-send)")
     retry = (args.classes or "") if args.retry_errors else None
+    if args.recheck:
+        done = recheck_run(cfg, run)
+        print(format_recheck(done["recheck"]))
+        for rule in done["recheck"]["adopted_rules"]:
+            print(f"adopted {rule}: generations/ predates this rule")
+        if retry is None and not args.repair:
+            acc = (done["manifest"] or {}).get("accounting") or accounting(run.generations, prompt_files(run))
+            print(format_accounting(acc))
+            return 0 if acc["balanced"] else 1
     manifest = run_generate(cfg, run, endpoints=args.endpoint, ray_address=args.ray, progress=not args.no_progress,
                             repair=args.repair, retry_classes=retry)
     rep = (manifest.get("recovered") or {}).get("repair")
     if rep:
         print(f"repaired: quarantined {', '.join(rep['parts_quarantined'])} ({rep['rows_lost']} rows lost, "
               f"{rep['dependent_rows_superseded']} later-turn rows superseded); their units were requested again")
+    for rule in manifest.get("adopted_rules") or []:
+        print(f"adopted {rule}: generations/ predates this rule; the rows recorded before were not judged by it "
+              f"(`regen generate --recheck` judges them)")
     if args.retry_errors:
         print(format_retry(manifest.get("last_retry") or manifest.get("retry_pending"), parse_retry_classes(retry)))
     print(format_accounting(manifest["accounting"]))

@@ -110,6 +110,9 @@ class HFTemplateRenderer:
             if getattr(tok, "special", False):
                 specials.add(str(tok))
         self.special_tokens = sorted((s for s in specials if s), key=len, reverse=True)
+        # the strings this tokenizer turns into control tokens wherever they stand in message text (it splits every
+        # special token out of the text it encodes: transformers #29279); `regen.render.guards` rejects them
+        self.text_control_tokens = tuple(self.special_tokens)
 
     # -- the Renderer protocol -------------------------------------------------------------------------------
 

@@ -44,6 +44,9 @@ class Renderer(Protocol):
     version: str  # bumped whenever output ids can change
     tokenizer_name: str
     tokenizer_hash: str  # sha256 of the tokenizer file(s)
+    # strings the tokenizer turns into control tokens wherever they stand in message text (hf: its special tokens;
+    # kimi-k3: none, it encodes message text as text). Rejected by render.control_tokens: reject (regen.render.guards)
+    text_control_tokens: tuple[str, ...]
 
     def render(self, messages: list[dict], tools: list[dict] | None = None, *, last_only: bool = False,
                **template_kwargs) -> Rendered: ...

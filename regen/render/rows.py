@@ -26,6 +26,7 @@ import json
 from array import array
 from collections import Counter
 
+from regen.render.guards import TextGuard
 from schemas.messages import ROLES, message_from_arrow
 
 assert array("i").itemsize == 4, "array('i') must be int32 for shard ids"
@@ -206,6 +207,8 @@ class RowRenderer:
         self.allowed_kwargs = KIMI_TEMPLATE_KWARGS if renderer.name == "kimi-k3" else ()
         # rows supervise the last turn only: an HF template need only be prefix-stable up to it
         self.closing, self.strip = self._closing_and_strip()
+        self.guard = TextGuard(renderer, self.closing, self.strip | self._enders,
+                               getattr(cfg, "control_tokens", "reject"))
         self.counts: Counter = Counter()
         self.drift = {"rows_checked": 0, "rows_drifted": 0, "causes": Counter()}
 
@@ -236,12 +239,14 @@ class RowRenderer:
             j = found[-1] if found else len(span)
             enders = {tk.eos_token_id} if tk.eos_token_id is not None else set()
         closing = span[j:]
+        self._enders = set(enders)
         return closing, enders - set(closing)
 
     def sample(self, row: dict) -> dict:
         """One shard row (SHARD_SCHEMA dict; input_ids as array("i"), int32) for a generation row. Raises Reject."""
         cfg = self.cfg
         messages, tools = conversation_of(row)
+        self._guard(row, messages, tools)
         check_messages(messages, part_types=cfg.content_part_types, require_reasoning=cfg.require_reasoning)
         kwargs = template_kwargs_of(row, cfg.template_kwargs, self.allowed_kwargs)
         kwargs["add_generation_prompt"] = False
@@ -270,6 +275,17 @@ class RowRenderer:
         return {"sample_id": h.hexdigest(), "prompt_id": row.get("prompt_id"), "turn": turn,
                 "category": row.get("category"), "language": row.get("language"), "input_ids": buf,
                 "loss_spans": spans, "num_tokens": len(ids), "num_loss_tokens": num_loss}
+
+    def _guard(self, row: dict, messages: list[dict], tools) -> None:
+        """`regen.render.guards`: text past the end of the turn, control-token strings (the answer's one echoed end
+        marker is stripped from `messages[-1]` and counted). Raises Reject."""
+        found, stripped = self.guard.answer(messages[-1])
+        self.counts["end_marker_stripped"] += stripped
+        found = found or self.guard.prompt(messages[:-1], tools)
+        if found is None and self.cfg.use_server_ids and row.get("completion_token_ids") is not None:
+            found = self.guard.completion_ids(list(row["completion_token_ids"]))
+        if found:
+            raise Reject(*found)
 
     def _render(self, messages, tools, kwargs):
         try:

@@ -7,14 +7,17 @@ Out: a deduplicated, filtered, seeded selection in the requested category mix, e
 
 Modules, in reading order:
     sources.py   files -> batches of raw rows -> normalized prompt drafts (or parse rejects)
-    shapes.py    row shapes -> OpenAI-style `messages` + `tools`; tool results linked to their calls
+    strict_json.py  JSON that refuses a key given twice, at any depth
+    shapes.py    row shapes -> OpenAI-style `messages` + `tools`
+    conversation.py  one conversation being built: unique call ids, tool results linked by id, name, order
     kimi_text.py Kimi-K2 markers written as text -> tool_calls / tool messages; declared or inferred tools
     tool_schemas.py  tool declarations (glaive, BFCL dialect, OpenAI) -> OpenAI `tools`
     originals.py the source's own answers beside the prompt (`original_answers`), or why there are none
     errors.py    RowError: a malformed row (a `parse` reject with the field and the reason)
     classify.py  category and language: source labels, then config, then a classifier
-    batches.py   the per-batch work (normalize, filter, sign for near dedup), in forked workers
-    stage.py     the stage: exact + near dedup, the seeded stratified mix, outputs and manifest
+    batches.py   the per-batch work (normalize, filter (+ control_tokens), sign for near dedup), in forked workers
+    mix.py       the selection policy: per-category targets, caps, the seeded choice
+    stage.py     the stage: exact + near dedup, the mix, outputs and manifest
 
 Entry point: `regen.select.stage.run_select(cfg: SelectConfig, run: RunDir, *, seed)`; CLI `regen select`.
 """

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
+from filters.control_tokens import ControlTokensFilter
 from filters.dedup import MinHasher
 from filters.prompt import PROMPT_FILTERS, ContaminationIndex, conversation_text, prompt_tokens
 from schemas.prompt import PROMPT_SCHEMA, PromptRecord
@@ -40,14 +41,20 @@ class BatchResult:
     sigs: np.ndarray | None = None
 
 
-def configure(cfg, index: ContaminationIndex | None) -> None:
-    """Build the stateless filters and the MinHasher for this process (and the workers forked after it)."""
+def configure(cfg, index: ContaminationIndex | None, control_tokens=()) -> None:
+    """Build the stateless filters and the MinHasher for this process (and the workers forked after it).
+
+    `control_tokens`: the strings the renderer would parse as control tokens in prompt text
+    (`regen.render.stage.prompt_control_tokens`); when any, the filter `control_tokens` runs after the configured
+    ones (issue 20 point 3: such a prompt is rejected before any request is sent for it)."""
     filters = []
     for name in cfg.filters:
         if name in STATEFUL:
             continue
         cls = PROMPT_FILTERS[name]
         filters.append(cls.from_config(cfg, index) if name == "contamination" else cls.from_config(cfg))
+    if control_tokens:
+        filters.append(ControlTokensFilter(control_tokens))
     _STATE.update(cfg=cfg, filters=filters, near="near_dedup" in cfg.filters,
                   hasher=MinHasher(cfg.num_perm, cfg.shingle_chars, cfg.minhash_max_chars))
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import re
 
+from regen.select import strict_json
 from regen.select.errors import RowError
 
 SECTION_BEGIN, SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
@@ -79,7 +80,9 @@ def kimi_calls(text: str, field: str) -> tuple[str, list[dict]]:
         name = call_name(call_id, field)
         args = c.group("args").strip()
         try:
-            obj = json.loads(args)
+            obj = strict_json.loads(args)
+        except strict_json.DuplicateKey as exc:
+            raise RowError(field, f"Kimi tool call {call_id!r} arguments: {exc}") from None
         except json.JSONDecodeError:
             raise RowError(field, f"Kimi tool call {call_id!r} arguments are not valid JSON") from None
         if not isinstance(obj, dict):

@@ -32,6 +32,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from regen.select import strict_json
+from regen.select.conversation import Conversation as _Conversation
 from regen.select.errors import RowError
 from regen.select.originals import original_answers, source_answer
 from regen.select.kimi_text import declared_tools, inferred_tools, kimi_calls, kimi_returns, split_think
@@ -111,7 +113,9 @@ def _maybe_parts(text: str, field: str):
     if not (s.startswith("[{") and '"type"' in s[:200]):
         return text
     try:
-        parts = json.loads(s)
+        parts = strict_json.loads(s)
+    except strict_json.DuplicateKey as exc:
+        raise RowError(field, f"content parts: {exc}") from None
     except json.JSONDecodeError as exc:
         raise RowError(field, f"content looks like JSON content parts but does not parse ({exc.msg})") from None
     if not isinstance(parts, list):
@@ -125,7 +129,9 @@ def _sharegpt_calls(value, field: str) -> list[dict]:
     obj = value
     if isinstance(value, str):
         try:
-            obj = json.loads(value)
+            obj = strict_json.loads(value)
+        except strict_json.DuplicateKey as exc:
+            raise RowError(field, f"function_call value: {exc}") from None
         except json.JSONDecodeError as exc:
             raise RowError(field, f"function_call value is not valid JSON ({exc.msg})") from None
     items = obj if isinstance(obj, list) else [obj]
@@ -141,99 +147,6 @@ def _sharegpt_calls(value, field: str) -> list[dict]:
         calls.append({"id": o["id"] if isinstance(o.get("id"), str) and o["id"] else None, "type": "function",
                       "function": {"name": o["name"], "arguments": args}})
     return calls
-
-
-class _Conversation:
-    """Builds one conversation's messages: call ids unique within it, every tool result linked to its call.
-
-    A *round* is one assistant message's calls. Its results are the tool turns right after it, linked by the
-    result's own id where it has one (`tool_call_id`, Kimi `## Return of {id}`), else in order; a single
-    result turn holding a JSON list of exactly N results answers N parallel calls (LLaMA-Factory). Every call
-    of a round needs exactly one result before the conversation goes on (RowError otherwise); calls that end
-    the conversation are the answer to regenerate and are dropped with it.
-    """
-
-    def __init__(self):
-        self.messages: list[dict] = []
-        self.used: set[str] = set()
-        self.num_calls = 0
-        self.round: list[dict] = []
-        self.rename: dict[str, str] = {}  # source id -> unique id, this round
-        self.answered: set[str] = set()
-        self.round_at = ""
-
-    def _unique(self, call: dict) -> dict:
-        src = call.get("id")
-        new = src if src and src not in self.used else None
-        n = self.num_calls
-        while new is None or new in self.used:
-            new = f"functions.{call['function']['name']}:{n}" if src and src.startswith("functions.") else f"call_{n}"
-            n += 1
-        self.used.add(new)
-        self.num_calls += 1
-        if src:
-            self.rename.setdefault(src, new)
-        return {"id": new, "type": "function", "function": call["function"]}
-
-    def _close_round(self, where: str) -> None:
-        missing = [c for c in self.round if c["id"] not in self.answered]
-        if missing:
-            raise RowError(where, f"{len(missing)} of the {len(self.round)} tool call(s) at {self.round_at} have no "
-                                  f"result before this turn (first: {missing[0]['function']['name']!r})")
-        self.round, self.rename, self.answered = [], {}, set()
-
-    def add(self, msg: dict, where: str) -> None:
-        """A system, user or assistant message without calls."""
-        self._close_round(where)
-        self.messages.append(msg)
-
-    def add_calls(self, calls: list[dict], where: str, msg: dict | None = None) -> None:
-        """Calls of an assistant message `msg`, or (None) of a ShareGPT `function_call` turn: those join the
-        assistant message just before them, else start one."""
-        last = self.messages[-1] if self.messages else None
-        if msg is None and last is not None and last["role"] == "assistant":
-            msg = last
-        else:
-            self._close_round(where)
-            msg = msg if msg is not None else {"role": "assistant", "content": None}
-            self.messages.append(msg)
-        if not msg.get("tool_calls"):
-            self.round_at = where
-        calls = [self._unique(c) for c in calls]
-        msg.setdefault("tool_calls", []).extend(calls)
-        self.round.extend(calls)
-
-    def add_results(self, results: list[tuple[str | None, object]], where: str) -> None:
-        """One block of consecutive tool turns: `[(the result's own call id or None, content)]`."""
-        pending = [c for c in self.round if c["id"] not in self.answered]
-        if not pending:
-            raise RowError(where, "tool result without a preceding tool call")
-        if len(results) == 1 and results[0][0] is None and len(pending) > 1:
-            parts = results[0][1]
-            try:
-                parts = json.loads(parts) if isinstance(parts, str) else parts
-            except json.JSONDecodeError:
-                parts = None
-            if not isinstance(parts, list) or len(parts) != len(pending):
-                raise RowError(where, f"{len(pending)} parallel tool calls at {self.round_at} but one result turn "
-                                      f"that is not a JSON list of {len(pending)} results")
-            results = [(None, p) for p in parts]
-        if len(results) != len(pending):
-            raise RowError(where, f"{len(pending)} tool call(s) at {self.round_at} but {len(results)} tool result(s)")
-        free = list(pending)
-        for rid, value in results:
-            call = free[0]
-            if rid is not None:
-                uid = self.rename.get(rid, rid)
-                call = next((c for c in free if c["id"] == uid), None)
-                if call is None:
-                    raise RowError(where, f"tool result for {rid!r} matches none of the pending calls "
-                                          f"({', '.join(c['id'] for c in free)})")
-            free.remove(call)
-            self.answered.add(call["id"])
-            content = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
-            self.messages.append({"role": "tool", "content": content, "tool_call_id": call["id"],
-                                  "name": call["function"]["name"]})
 
 
 def conversation_messages(turns, field: str, role_key: str | None = None, content_key: str | None = None,
@@ -274,7 +187,9 @@ def conversation_messages(turns, field: str, role_key: str | None = None, conten
                 elif not isinstance(value, str):
                     raise RowError(f"{field}[{i}]", f"{ck!r} must be a string, got {type(value).__name__}")
                 own = turns[i].get("tool_call_id")
-                results.extend([(own, value)] if isinstance(own, str) and own else kimi_returns(value))
+                name = turns[i].get("name") if isinstance(turns[i].get("name"), str) and turns[i]["name"] else None
+                results.extend([(own, name, value)] if isinstance(own, str) and own
+                               else [(rid, name if rid is None else None, v) for rid, v in kimi_returns(value)])
                 i += 1
             conv.add_results(results, where)
             continue
@@ -337,9 +252,21 @@ def _openai_calls(calls, where: str) -> list[dict]:
             raise RowError(where, f"tool_calls[{j}] has no function.name")
         args = fn.get("arguments", "{}")
         args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+        _no_duplicate_keys(args, where, f"tool_calls[{j}] arguments")
         cid = c["id"] if isinstance(c.get("id"), str) and c["id"] else None
         out.append({"id": cid, "type": "function", "function": {"name": fn["name"], "arguments": args}})
     return out
+
+
+def _no_duplicate_keys(text: str, field: str, what: str) -> None:
+    """RowError when `text` is JSON holding a key twice (arguments a server or template would parse to the last
+    value); text that is not JSON is left to the tool_schema filter."""
+    try:
+        strict_json.loads(text)
+    except strict_json.DuplicateKey as exc:
+        raise RowError(field, f"{what}: {exc}") from None
+    except (json.JSONDecodeError, RecursionError):
+        pass
 
 
 def openai_messages(raw, field: str, answers: list | None = None) -> list[dict]:

@@ -19,6 +19,10 @@ Input policies (README "Input policies"):
   than the parser's limit), holds a lone surrogate (`"\ud800"`, not encodable as UTF-8) or is malformed in its
   shape becomes a `Draft` with `error` set (a reject with filter `parse`, its row index and the reason).
 - the shape is detected by a vote over the first `SHAPE_SAMPLE` parsed rows, so one bad row does not decide it.
+- a JSON row holding a key twice, at any depth (`{"prompt": "first", "prompt": "second"}`), is a `parse` reject
+  naming the key and its path (`regen.select.strict_json`), never read as the last value; a key repeated in a
+  JSON document outside its rows, or a column named twice (CSV/TSV header, Parquet or Arrow schema), is a bad
+  file.
 A missing path raises `InputError` at once (a config error, not a bad file).
 """
 from __future__ import annotations
@@ -34,6 +38,7 @@ from pathlib import Path
 from regen.select.classify import apply_language_policy, heuristic_category, identify_language, label_category, normalize_language
 from regen.config.select import SelectConfig, SourceConfig
 from regen.errors import InputError
+from regen.select import strict_json
 from regen.select.shapes import RowError, detect_shape, normalize_row
 from filters.text import message_text
 from schemas.prompt import prompt_id_of
@@ -154,7 +159,7 @@ def _json_rows(path: str) -> list:
         raise BadFile(path, f"not valid UTF-8 (byte 0x{data[exc.start]:02x} at line {line}, byte offset "
                             f"{exc.start}): re-encode the file as UTF-8") from None
     try:
-        obj = json.loads(text)
+        obj, had_duplicates = strict_json.loads_marked(text)
     except (json.JSONDecodeError, RecursionError) as exc:
         rows = _jsonl_lines(text.splitlines())
         if any(not isinstance(r, BadJSON) for r in rows):
@@ -163,14 +168,20 @@ def _json_rows(path: str) -> list:
                 else "nested deeper than the JSON parser's limit")
         raise BadFile(path, f"not valid JSON ({what}), and no line of it is a JSON row: fix the file or drop it "
                             f"from the source") from None
-    if isinstance(obj, list):
-        return obj
+    rows = obj if isinstance(obj, list) else [obj]
     if isinstance(obj, dict):
         lists = [(k, v) for k, v in obj.items() if isinstance(v, list) and v and isinstance(v[0], dict)]
         if lists:
-            return max(lists, key=lambda kv: len(kv[1]))[1]
-        return [obj]
-    return [obj]
+            key, rows = max(lists, key=lambda kv: len(kv[1]))
+            if had_duplicates:  # a key repeated outside the rows (the document's own keys) spoils the whole file
+                outside = strict_json.duplicate_in({k: v for k, v in obj.items() if k != key}) \
+                    or (strict_json.duplicate_in(obj) if isinstance(obj, strict_json.Marked) else None)
+                if outside is not None:
+                    raise BadFile(path, f"{outside}: fix the file")
+    if not had_duplicates:
+        return rows
+    return [BadJSON(str(dup), json.dumps(r, ensure_ascii=False)[:200]) if (dup := strict_json.duplicate_in(r))
+            else r for r in rows]
 
 
 def _jsonl_lines(lines) -> list:
@@ -187,7 +198,9 @@ def _jsonl_lines(lines) -> list:
         if not line.strip():
             continue
         try:
-            out.append(json.loads(line))
+            out.append(strict_json.loads(line))
+        except strict_json.DuplicateKey as exc:
+            out.append(BadJSON(str(exc), line[:200]))
         except json.JSONDecodeError as exc:
             out.append(BadJSON(f"{exc.msg} at char {exc.pos}", line[:200]))
         except RecursionError:
@@ -212,11 +225,38 @@ def _csv_rows(path: str) -> list[dict]:
 
     try:
         names = pcsv.read_csv(path, read_options=pcsv.ReadOptions(block_size=1 << 20)).column_names
+        _unique_columns(path, names, "header")
         table = pcsv.read_csv(path, convert_options=pcsv.ConvertOptions(column_types={n: pa.string() for n in names}))
     except (pa.ArrowInvalid, UnicodeDecodeError) as exc:
         raise BadFile(path, f"not a readable CSV file with a header row ({exc}): fix it or convert it to JSON "
                             f"lines") from None
     return table.to_pylist()
+
+
+def _unique_columns(path: str, names: list[str], what: str) -> None:
+    """BadFile for a column name given twice (a row dict would keep only the last column: issue 20 point 9)."""
+    seen: dict[str, int] = {}
+    for i, n in enumerate(names):
+        if n in seen:
+            raise BadFile(path, f"duplicate column {n!r} in the {what} (columns {seen[n] + 1} and {i + 1}): each row "
+                                "would keep only the last column's value; rename one of them")
+        seen[n] = i
+
+
+def _unique_fields(path: str, schema) -> None:
+    """BadFile for an Arrow schema (Parquet, save_to_disk) naming a field twice, at any depth of its structs."""
+    import pyarrow as pa
+
+    stack = [("", list(schema))]
+    while stack:
+        where, fields = stack.pop()
+        _unique_columns(path, [f.name for f in fields], f"schema{' of ' + where if where else ''}")
+        for f in fields:
+            t = f.type
+            while pa.types.is_list(t) or pa.types.is_large_list(t):
+                t = t.value_type
+            if pa.types.is_struct(t):
+                stack.append((f"{where}.{f.name}" if where else f.name, [t.field(i) for i in range(t.num_fields)]))
 
 
 def iter_raw_batches(path: str, kind: str, batch_rows: int, fields: dict, max_rows: int | None = None):
@@ -231,7 +271,9 @@ def iter_raw_batches(path: str, kind: str, batch_rows: int, fields: dict, max_ro
 
         start = 0
         try:
-            for rb in pq.ParquetFile(path).iter_batches(batch_size=batch_rows):
+            pf = pq.ParquetFile(path)
+            _unique_fields(path, pf.schema_arrow)
+            for rb in pf.iter_batches(batch_size=batch_rows):
                 rows = rb.to_pylist()[: max(0, limit - start)]
                 if not rows:
                     break
@@ -250,6 +292,7 @@ def iter_raw_batches(path: str, kind: str, batch_rows: int, fields: dict, max_ro
         splits = ds.items() if isinstance(ds, datasets.DatasetDict) else [(None, ds)]
         for split, d in splits:
             name = f"{path}#{split}" if split else path
+            _unique_fields(name, d.data.schema)
             start = 0
             for table in d.with_format("arrow").iter(batch_size=batch_rows):
                 rows = table.to_pylist()[: max(0, limit - start)]
@@ -280,6 +323,7 @@ def _tsv_rows(path: str, fields: dict) -> list[dict]:
     table = [r for r in table if r]
     if fields.get("prompt") and table and fields["prompt"] in table[0]:
         header, body = table[0], table[1:]
+        _unique_columns(path, header, "header")
         return [dict(zip(header, r)) for r in body]
     return [{"prompt": r[0], **({"answer": r[1]} if len(r) > 1 else {})} for r in table]
 

@@ -33,122 +33,17 @@ import pyarrow.compute as pc
 from filters.dedup import MinHasher, near_duplicates
 from filters.prompt import PROMPT_FILTERS, ContaminationIndex
 from regen.select.batches import BatchRunner, configure, payload
+from regen.select.mix import largest_remainder, plan_mix, seeded_keys, select_rows  # noqa: F401 (re-exported)
 from regen.config.select import SelectConfig, SourceConfig
 from regen.errors import InputError
 from regen.rundir import RunDir
 from regen.select.sources import BadFile, benchmark_texts, iter_raw_batches, shape_of, source_files
 from schemas.io import write_parquet_atomic, write_rows_atomic
-from schemas.prompt import CATEGORIES, PROMPT_SCHEMA, SCHEMA_VERSION, canonical_json
+from schemas.prompt import PROMPT_SCHEMA, SCHEMA_VERSION, canonical_json
 from schemas.rejected import REJECTED_SCHEMA, RejectedRecord
 
 STAGE = "select"
 MANIFEST_SCHEMA = "regen.prompts.manifest"
-
-
-# ------------------------------------------------------------------------------------------ selection
-
-
-def largest_remainder(total: int, weights: dict[str, float]) -> dict[str, int]:
-    """Integers proportional to `weights` summing to `total` (Hamilton's method; ties by name)."""
-    s = sum(weights.values())
-    if total <= 0 or s <= 0:
-        return {k: 0 for k in weights}
-    raw = {k: total * w / s for k, w in weights.items()}
-    out = {k: int(v) for k, v in raw.items()}
-    rest = total - sum(out.values())
-    for k in sorted(raw, key=lambda k: (-(raw[k] - out[k]), k))[:rest]:
-        out[k] += 1
-    return out
-
-
-def plan_mix(shares: dict[str, float], supply: dict[str, int], total: int, policy: str = "redistribute") -> dict:
-    """Per-category targets for `total` prompts given `supply` (eligible rows per category).
-
-    Returns {"target": requested counts, "alloc": counts to select, "shortfall": {cat: missing}}. With
-    `redistribute`, the missing rows go to categories with spare supply in proportion to their shares
-    (repeated until no spare supply is left among categories with a share > 0).
-    """
-    target = largest_remainder(total, shares)
-    alloc = {c: min(target[c], supply.get(c, 0)) for c in shares}
-    shortfall = {c: target[c] - alloc[c] for c in shares if target[c] > alloc[c]}
-    if policy == "redistribute":
-        missing = total - sum(alloc.values())
-        while missing > 0:
-            spare = {c: supply.get(c, 0) - alloc[c] for c in shares if shares[c] > 0 and supply.get(c, 0) > alloc[c]}
-            if not spare:
-                break
-            extra = largest_remainder(missing, {c: shares[c] for c in spare})
-            moved = 0
-            for c, n in extra.items():
-                n = min(n, spare[c])
-                alloc[c] += n
-                moved += n
-            missing -= moved
-            if moved == 0:
-                break
-    return {"target": target, "alloc": alloc, "shortfall": shortfall}
-
-
-def seeded_keys(prompt_ids: list[str], seed: int) -> np.ndarray:
-    """uint64 sort keys: sha256(seed:prompt_id) first 8 bytes. Deterministic, independent of row order."""
-    prefix = f"{seed}:".encode()
-    return np.fromiter(
-        (int.from_bytes(hashlib.sha256(prefix + p.encode()).digest()[:8], "big") for p in prompt_ids),
-        dtype=np.uint64, count=len(prompt_ids),
-    )
-
-
-def select_rows(pool: pa.Table, cfg: SelectConfig, seed: int, keep: np.ndarray | None = None) -> tuple[np.ndarray, dict]:
-    """Indices of `pool` rows to select (ordered by seeded key) and the mix report (see module docstring).
-
-    `keep` (bool[pool.num_rows]) marks the rows still in the pool after near dedup (default: all).
-    """
-    n = pool.num_rows
-    keys = seeded_keys(pool.column("prompt_id").to_pylist(), seed)
-    order = np.argsort(keys, kind="stable")
-    cats = np.asarray(pool.column("category").to_pylist(), dtype=object)
-    eligible = np.ones(n, dtype=bool) if keep is None else keep.copy()
-    capped = Counter()
-    for column, caps in (("source", cfg.max_per_source), ("language", cfg.max_per_language)):
-        if not caps:
-            continue
-        values = np.asarray(pool.column(column).to_pylist(), dtype=object)
-        seen: Counter = Counter()
-        for i in order:
-            v = values[i]
-            if v in caps and eligible[i]:
-                if seen[v] >= caps[v]:
-                    eligible[i] = False
-                    capped[f"{column}:{v}"] += 1
-                else:
-                    seen[v] += 1
-    shares = cfg.shares()
-    supply = Counter(cats[eligible].tolist())
-    plan = plan_mix(shares, dict(supply), cfg.total, cfg.shortfall_policy)
-    taken: Counter = Counter()
-    chosen = []
-    for i in order:
-        if eligible[i]:
-            c = cats[i]
-            if taken[c] < plan["alloc"].get(c, 0):
-                taken[c] += 1
-                chosen.append(i)
-    chosen_arr = np.asarray(chosen, dtype=np.int64)
-    num = max(len(chosen), 1)
-    mix = {
-        c: {
-            "share_requested": round(shares[c], 6),
-            "target": plan["target"][c],
-            "available": int(supply.get(c, 0)),
-            "selected": int(taken.get(c, 0)),
-            "share_selected": round(taken.get(c, 0) / num, 6),
-            "shortfall": int(plan["shortfall"].get(c, 0)),
-        }
-        for c in CATEGORIES
-    }
-    report = {"mix": mix, "capped": dict(capped), "num_selected": len(chosen), "num_requested": cfg.total,
-              "total_shortfall": max(0, cfg.total - len(chosen))}
-    return chosen_arr, report
 
 
 # --------------------------------------------------------------------------------------------- writing
@@ -233,11 +128,26 @@ def _check_bad_files(bad_files: dict[str, str], policy: str) -> None:
                          f"written, the previous selection is unchanged")
 
 
-def config_hash(cfg: SelectConfig, seed: int, extra: list[str], files: list[tuple[str, int, int]] = ()) -> str:
+def config_hash(cfg: SelectConfig, seed: int, extra: list[str], files: list[tuple[str, int, int]] = (),
+                control_tokens=()) -> str:
     """Hash of what determines the selection: the select config, the seed, extra sources and the input files
-    (path, size, mtime_ns), so a changed pool path or file is never mistaken for a finished run."""
+    (path, size, mtime_ns), so a changed pool path or file is never mistaken for a finished run; and the
+    renderer's control tokens when there are any (without them the hash is the one selections made before
+    issue 20 have, so those resume)."""
     payload = {"select": cfg.model_dump(), "seed": seed, "extra": extra, "files": [list(f) for f in files]}
+    if control_tokens:
+        payload["control_tokens"] = tokens_digest(control_tokens)
     return hashlib.sha256(canonical_json(payload).encode()).hexdigest()[:16]
+
+
+def tokens_digest(tokens) -> str:
+    return hashlib.sha256("\0".join(sorted(set(tokens))).encode()).hexdigest()[:16]
+
+
+def _resumable(old: dict | None, chash: str, seed: int, run: RunDir) -> bool:
+    return bool(old) and old.get("config_hash") == chash and old.get("seed") == seed \
+        and old.get("schema_version") == SCHEMA_VERSION and all((run.prompts / p["path"]).exists()
+                                                                for p in old.get("parts", []))
 
 
 def _all_sources(cfg: SelectConfig, extra_sources: list[str] | None) -> list[SourceConfig]:
@@ -267,10 +177,13 @@ def _file_rows(path: str, kind: str) -> int | None:
 
 
 def run_select(cfg: SelectConfig, run: RunDir, *, seed: int, extra_sources: list[str] | None = None,
-               progress: bool = True) -> dict:
+               progress: bool = True, control_tokens=()) -> dict:
     """Select prompts into `run.prompts` (parts + manifest.json) and `run.rejected("select")`; returns the manifest.
 
-    Resumable: an existing manifest with the same config hash and seed is returned as is.
+    `control_tokens`: strings the profile's renderer would parse as control tokens in prompt text
+    (`regen.render.stage.prompt_control_tokens`); a prompt holding one is a reject (filter `control_tokens`).
+    Resumable: an existing manifest with the same config hash and seed is returned as is; a selection made before
+    the control-token check existed resumes too, recorded as not checked (render rejects such rows).
     Raises InputError for a missing source path or an unrecognized file shape.
     """
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -279,12 +192,19 @@ def run_select(cfg: SelectConfig, run: RunDir, *, seed: int, extra_sources: list
     sources = _all_sources(cfg, extra)
     files = [(src, path, kind) for src in sources for path, kind in source_files(src)]
     stats = [(path, _size(path), Path(path).stat().st_mtime_ns) for _, path, _ in files]
-    chash = config_hash(cfg, seed, extra, stats)
+    control_tokens = tuple(control_tokens or ())
+    chash = config_hash(cfg, seed, extra, stats, control_tokens)
     old = run.manifest(run.prompts)
-    if old and old.get("config_hash") == chash and old.get("seed") == seed \
-            and old.get("schema_version") == SCHEMA_VERSION and all(
-        (run.prompts / p["path"]).exists() for p in old.get("parts", [])
-    ):
+    if _resumable(old, chash, seed, run):
+        return old
+    legacy = old is not None and (old.get("control_tokens") or {"legacy": True}).get("legacy")
+    if legacy and _resumable(old, config_hash(cfg, seed, extra, stats), seed, run):
+        if "control_tokens" not in old:  # recorded once: the policy at its value now, not applied to these prompts
+            old["control_tokens"] = {"num_tokens": len(control_tokens), "sha256": tokens_digest(control_tokens),
+                                     "applied": False, "legacy": True, "note": "selected before the control-token "
+                                     "check existed: these prompts were not checked (render rejects rows holding "
+                                     "them; select into a new --run to apply it here)"}
+            run.write_manifest(run.prompts, old)
         return old
     t0 = time.time()
     # The new selection is written beside the old one and swapped in only when complete (`_swap_in`): a run
@@ -297,7 +217,7 @@ def run_select(cfg: SelectConfig, run: RunDir, *, seed: int, extra_sources: list
 
         texts = [t for f in cfg.contamination_files for t in benchmark_texts(str(resolve_path(f)))]
         index = ContaminationIndex(texts, cfg.contamination_ngram)
-    configure(cfg, index)
+    configure(cfg, index, control_tokens)
     exact = PROMPT_FILTERS["exact_dedup"].from_config(cfg) if "exact_dedup" in cfg.filters else None
     near = PROMPT_FILTERS["near_dedup"].from_config(cfg) if "near_dedup" in cfg.filters else None
     rejects = RejectWriter(rej_dir)
@@ -373,7 +293,11 @@ def run_select(cfg: SelectConfig, run: RunDir, *, seed: int, extra_sources: list
                                           PROMPT_SCHEMA))
     manifest = _manifest(cfg, seed, extra, chash, selected, report, drops, acct, parts, rejects.parts, int(keep.sum()))
     manifest.update(bad_files=bad_files, warnings=warnings,
-                    num_tools_inferred=int(pc.sum(selected.column("tools_inferred")).as_py() or 0))
+                    num_tools_inferred=int(pc.sum(selected.column("tools_inferred")).as_py() or 0),
+                    control_tokens={"num_tokens": len(control_tokens), "sha256": tokens_digest(control_tokens),
+                                    "applied": bool(control_tokens), "rejected": int(drops.get("control_tokens", 0))})
+    if control_tokens:
+        manifest["filters"]["control_tokens"] = int(drops.get("control_tokens", 0))
     manifest["elapsed_s"] = round(time.time() - t0, 3)
     run.write_manifest(out_dir, manifest)
     _swap_in(rej_dir, run.rejected(STAGE))
@@ -566,11 +490,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args) -> int:
     from regen.config import load_profile_from_args
 
+    from regen.config.render import effective_render_config
+    from regen.render.stage import prompt_control_tokens  # render's public entry: what its tokenizer parses
+
     profile, run = load_profile_from_args(args)
     cfg = profile.select
     if getattr(args, "on_bad_file", None):
         cfg = cfg.model_copy(update={"on_bad_file": args.on_bad_file})
+    tokens = prompt_control_tokens(effective_render_config(profile.render, profile.serve))
     manifest = run_select(cfg, run, seed=profile.seed, extra_sources=args.source,
-                          progress=not args.no_progress)
+                          progress=not args.no_progress, control_tokens=tokens)
     print_mix(manifest)
     return 0

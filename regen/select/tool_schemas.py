@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from regen.select import strict_json
 from regen.select.errors import RowError
 
 # BFCL tool-schema dialect -> JSON Schema types (BFCL `model_handler/utils.py` convert_to_tool / GORILLA_TO_OPENAPI).
@@ -61,7 +62,9 @@ def openai_tools(raw, field: str, bfcl: bool = False) -> list[dict] | None:
         if not raw.strip():
             return None
         try:
-            raw = json.loads(raw)
+            raw = strict_json.loads(raw)
+        except strict_json.DuplicateKey as exc:
+            raise RowError(field, f"tools: {exc}") from None
         except json.JSONDecodeError as exc:
             raise RowError(field, f"tools is not valid JSON ({exc.msg} at char {exc.pos})") from None
     if isinstance(raw, dict):

@@ -18,15 +18,11 @@ prints `listening on http://HOST:PORT/v1` once ready. Endpoints:
     GET  /_control              current settings
 
 Faults (`Settings.faults`: kind -> probability per request, drawn with a seeded RNG; or forced for one request
-by the header `X-Fault: kind`, or by `[[fault:kind]]` in the last user message, every attempt):
-429 (with Retry-After), 500, 503, 400, 401, the context overflows of ERROR_FAULTS (overflow: OpenAI's 400 +
-error.code context_length_exceeded; overflow_vllm, overflow_vllm_legacy, overflow_sglang, overflow_sglang_input:
-400 with the servers' own error shapes and wordings, code 400 or "400"; overflow_413: 413 with a text body;
-400_vllm: a vLLM-shaped 400 that is not an overflow; `Settings.error_message` replaces the message), stall (no
-answer for stall_s), stall_stream (some chunks, then silence), close (connection closed mid-body or
-mid-stream), malformed (body / SSE event not JSON), empty (200 with empty body / stream with only [DONE]),
-empty_content, truncated (finish_reason length, reasoning only), leak (<think>..</think> in content),
-unbalanced (a lone </think>), bad_tool_json (tool-call arguments not JSON).
+by the header `X-Fault: kind`, or by `[[fault:kind]]` in the last user message, every attempt): the HTTP errors,
+answer faults, errors inside a 200 and streamed tool-call shapes of `regen.testing.wire_faults` (its module doc
+lists each with the public report it reproduces), and stall (no answer for stall_s), stall_stream (some chunks,
+then silence), close (connection closed mid-body or mid-stream), malformed (body / SSE event not JSON), empty (200
+with empty body / stream with only [DONE]). `Settings.error_message` replaces the message of injected errors.
 Wire shapes: OpenAI chat-completions reference; vLLM `return_token_ids` (prompt_token_ids, choices[].token_ids).
 
 Capacity model (`slots` > 0; benchmarks of `max_in_flight: auto`): `slots` decode slots served in arrival order,
@@ -53,6 +49,8 @@ from dataclasses import asdict, dataclass, field
 from aiohttp import web
 
 from regen.testing.capacity import CapacityModel, _Capture
+from regen.testing.wire_faults import (ERROR_200, ERROR_FAULTS, FAULT_KINDS, answer_fault, stream_events,  # noqa: F401
+                                       usage)
 
 try:
     import orjson
@@ -65,37 +63,6 @@ except ImportError:  # pragma: no cover
 
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
          "quebec romeo sierra tango uniform victor whiskey xray yankee zulu one two three four five six").split()
-VLLM_OVERFLOW = ("This model's maximum context length is 32768 tokens. However, you requested 40000 tokens "
-                 "(39000 in the messages, 1000 in the completion). Please reduce the length of the messages or completion.")
-SGLANG_OVERFLOW = ("Requested token count exceeds the model's maximum context length of 32768 tokens. You requested a "
-                   "total of 40000 tokens: 39000 tokens from the input messages and 1000 tokens for the completion.")
-# error fault -> (HTTP status, body builder(message override or None) -> JSON object or bytes)
-ERROR_FAULTS = {
-    "429": (429, lambda m: {"error": {"message": m or "injected 429", "code": None}}),
-    "500": (500, lambda m: {"error": {"message": m or "injected 500", "code": None}}),
-    "503": (503, lambda m: {"error": {"message": m or "injected 503", "code": None}}),
-    "401": (401, lambda m: {"error": {"message": m or "injected 401", "code": None}}),
-    "400": (400, lambda m: {"error": {"message": m or "injected 400", "code": None}}),
-    "overflow": (400, lambda m: {"error": {"message": m or "This model's maximum context length is 32768 tokens. However, "
-                                           "your messages resulted in 40000 tokens.", "type": "invalid_request_error",
-                                           "param": "messages", "code": "context_length_exceeded"}}),
-    "overflow_vllm": (400, lambda m: {"error": {"message": m or VLLM_OVERFLOW, "type": "BadRequestError",
-                                                "param": None, "code": 400}}),
-    "overflow_vllm_legacy": (400, lambda m: {"object": "error", "message": m or VLLM_OVERFLOW,
-                                             "type": "BadRequestError", "param": None, "code": 400}),
-    "overflow_sglang": (400, lambda m: {"object": "error", "message": m or SGLANG_OVERFLOW,
-                                        "type": "BadRequestError", "param": None, "code": "400"}),
-    "overflow_sglang_input": (400, lambda m: {"object": "error", "message": m or "The input (40000 tokens) is longer "
-                                              "than the model's context length (32768 tokens).",
-                                              "type": "BadRequestError", "param": None, "code": 400}),
-    "overflow_413": (413, lambda m: (m or "<html><body><h1>413 Request Entity Too Large</h1></body></html>").encode()),
-    "400_vllm": (400, lambda m: {"error": {"message": m or "temperature must be non-negative, got -1.0.",
-                                           "type": "BadRequestError", "param": None, "code": 400}}),
-    "unknown_field": (400, lambda m: {"error": {"message": m or "unknown field", "code": "invalid_request"}}),
-}
-FAULT_KINDS = ("429", "500", "503", "400", "overflow", "overflow_vllm", "overflow_vllm_legacy", "overflow_sglang",
-               "overflow_sglang_input", "overflow_413", "400_vllm", "401", "stall", "stall_stream", "close", "malformed", "empty",
-               "empty_content", "truncated", "leak", "unbalanced", "bad_tool_json")
 KNOWN_FIELDS = {"model", "messages", "tools", "tool_choice", "temperature", "top_p", "max_tokens", "stream",
                 "stream_options", "n", "stop", "presence_penalty", "frequency_penalty", "user"}
 MARKER = re.compile(r"\[\[fault:([a-z0-9_]+)\]\]")
@@ -132,6 +99,8 @@ class Settings:
     metrics: str | None = None  # "vllm" | "sglang": serve /metrics gauges
     length_sigma: float = 0.0  # lognormal spread of answer lengths (0: every answer has `tokens`)
     timings: bool = False  # keep [key, received, ended] per chat request (GET /_timings; bench/scale.py)
+    end_marker: str = "<|im_end|>"  # the end-of-turn text of the after_end / echo_end faults (SmolLM2's)
+    finish_other: str = "eos_token"  # the finish_reason of the finish_other fault
 
 
 class FakeOpenAI(CapacityModel):
@@ -232,15 +201,15 @@ class FakeOpenAI(CapacityModel):
         ids = [(digest[i % 32] * 131 + i) % 50_000 + 10 for i in range(n_reason + n_content)]
         msgs = body.get("messages") or []
         prompt_words = sum(len(str(m.get("content") or "").split()) + 2 for m in msgs)
-        tool_call = None
+        tool_calls = []
         if s.tool_calls and body.get("tools") and msgs and msgs[-1].get("role") == "user":
             name = body["tools"][0].get("function", {}).get("name", "tool")
-            tool_call = {"id": "call_" + digest[:4].hex(), "type": "function",
-                         "function": {"name": name, "arguments": json.dumps({"query": words[-1] if words else ""})}}
+            tool_calls = [{"id": "call_" + digest[:4].hex(), "type": "function",
+                           "function": {"name": name, "arguments": json.dumps({"query": words[-1] if words else ""})}}]
         ans = {
             "reasoning": [w + " " for w in words[:n_reason]], "content": [w + " " for w in words[n_reason:]],
             "token_ids": ids, "prompt_token_ids": [(digest[i % 32] + i) % 50_000 + 10 for i in range(prompt_words)],
-            "tool_call": tool_call, "finish_reason": "tool_calls" if tool_call else
+            "tool_calls": tool_calls, "finish_reason": "tool_calls" if tool_calls else
             ("length" if n_reason + n_content >= budget and budget < want_content + n_reason else "stop"),
         }
         if len(self._cache) < 100_000:
@@ -297,19 +266,7 @@ class FakeOpenAI(CapacityModel):
             return web.json_response(err, status=status, headers=headers)
         if fault == "stall":
             await asyncio.sleep(s.stall_s)
-        ans = self.answer(body)
-        if fault == "truncated":
-            ans = {**ans, "content": [], "tool_call": None, "finish_reason": "length"}
-        elif fault == "empty_content":
-            ans = {**ans, "content": [], "tool_call": None, "finish_reason": "stop"}
-        elif fault == "leak":
-            ans = {**ans, "content": ["<think>", "hidden ", "</think>"] + ans["content"]}
-        elif fault == "unbalanced":
-            ans = {**ans, "content": ans["content"] + ["</think>"]}
-        elif fault == "bad_tool_json":
-            ans = {**ans, "tool_call": {"id": "call_bad", "type": "function",
-                                        "function": {"name": "tool", "arguments": "{\"query\": oops"}},
-                   "finish_reason": "tool_calls"}
+        ans = answer_fault(fault, self.answer(body), body, s)
         want_ids = bool(body.get("return_token_ids"))
         if s.slots and fault is None:
             return await self._served(request, body, ans, want_ids, stream)
@@ -319,8 +276,8 @@ class FakeOpenAI(CapacityModel):
 
     async def _fixed(self, request, body, stream) -> web.StreamResponse:
         want_ids = bool(body.get("return_token_ids"))
-        usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        key = (stream, want_ids, usage, body.get("max_tokens"))
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        key = (stream, want_ids, include_usage, body.get("max_tokens"))
         data = self._bytes.get(key)
         if data is None:
             ans = self.answer({"model": "fixed", "messages": [], "max_tokens": body.get("max_tokens")})
@@ -335,24 +292,23 @@ class FakeOpenAI(CapacityModel):
         ctype = "text/event-stream" if stream else "application/json"
         return web.Response(status=200, body=data, content_type=ctype)
 
-    def _usage(self, ans: dict) -> dict:
-        n_reason = len(ans["reasoning"])
-        return {"prompt_tokens": len(ans["prompt_token_ids"]), "completion_tokens": n_reason + len(ans["content"]),
-                "total_tokens": len(ans["prompt_token_ids"]) + n_reason + len(ans["content"]),
-                "completion_tokens_details": {"reasoning_tokens": n_reason}}
-
     async def _whole(self, request, body, ans, fault, want_ids) -> web.StreamResponse:
         s = self.settings
         if fault == "empty":
             return web.Response(status=200, body=b"", content_type="application/json")
+        if fault in ERROR_200:  # a 200 whose body is an error object
+            return web.Response(status=200, body=_dumps(ERROR_200[fault](s.error_message)),
+                                content_type="application/json")
         msg = {"role": "assistant", "content": "".join(ans["content"])}
         if s.reasoning_field and ans["reasoning"]:
             msg[s.reasoning_field] = "".join(ans["reasoning"])
-        if ans["tool_call"]:
-            msg["tool_calls"] = [ans["tool_call"]]
+        if ans["tool_calls"]:
+            msg["tool_calls"] = ans["tool_calls"]
         choice = {"index": 0, "message": msg, "finish_reason": ans["finish_reason"]}
+        if ans.get("finish_missing"):
+            del choice["finish_reason"]
         obj = {"id": "chatcmpl-fake", "object": "chat.completion", "created": int(time.time()),
-               "model": body.get("model"), "choices": [choice], "usage": self._usage(ans)}
+               "model": body.get("model"), "choices": [choice], "usage": usage(ans, body)}
         if want_ids:
             obj["prompt_token_ids"] = ans["prompt_token_ids"]
             choice["token_ids"] = ans["token_ids"][: len(ans["reasoning"]) + len(ans["content"])]
@@ -378,33 +334,10 @@ class FakeOpenAI(CapacityModel):
         else:
             resp = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
             await resp.prepare(request)
-        events = []
         base = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": int(time.time()),
                 "model": body.get("model")}
-        if fault != "empty":
-            first = {**base, "choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]}
-            if want_ids:
-                first["prompt_token_ids"] = ans["prompt_token_ids"]
-            events.append(first)
-            ids = iter(ans["token_ids"])
-            for field_name, pieces in ((s.reasoning_field, ans["reasoning"]), ("content", ans["content"])):
-                for piece in pieces:
-                    ch = {"index": 0, "delta": {field_name: piece}, "finish_reason": None}
-                    if want_ids:
-                        ch["token_ids"] = [next(ids, 0)]
-                    events.append({**base, "choices": [ch]})
-            if ans["tool_call"]:
-                tc = ans["tool_call"]
-                args = tc["function"]["arguments"]
-                half = len(args) // 2
-                events.append({**base, "choices": [{"index": 0, "finish_reason": None, "delta": {"tool_calls": [
-                    {"index": 0, "id": tc["id"], "type": "function",
-                     "function": {"name": tc["function"]["name"], "arguments": args[:half]}}]}}]})
-                events.append({**base, "choices": [{"index": 0, "finish_reason": None, "delta": {"tool_calls": [
-                    {"index": 0, "function": {"arguments": args[half:]}}]}}]})
-            events.append({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": ans["finish_reason"]}]})
-            if (body.get("stream_options") or {}).get("include_usage"):
-                events.append({**base, "choices": [], "usage": self._usage(ans)})
+        events = ([] if fault == "empty" else
+                  stream_events(base, ans, body, want_ids, s.reasoning_field, fault, s.error_message))
         encoded = [b"data: " + _dumps(e) + b"\n\n" for e in events]
         if fault == "malformed":
             encoded.insert(len(encoded) // 2, b"data: {\"choices\": [{\"delta\": \n\n")

@@ -114,6 +114,7 @@ def test_stages_use_each_other_only_through_public_entries():
     allowed = {
         ("train", "regen.render.stage"),  # eval renders held-out prompts with render's public entry
         ("render", "regen.generate.ledger"),  # render verifies generation parts with `check_parts` before reading
+        ("select", "regen.render.stage"),  # `regen select` asks `prompt_control_tokens` what the renderer parses
     }
     wrong = []
     for m, deps in import_graph().items():

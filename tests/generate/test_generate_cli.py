@@ -44,7 +44,9 @@ def test_server_module_and_cli_with_a_kimi_style_body(tmp_path, repo_root):
     log_file = tmp_path / "bodies.jsonl"
     env = {**os.environ, "REGEN_API_KEY": "sk-kimi-test-key-123"}
     srv = subprocess.Popen([sys.executable, "-m", "regen.testing.openai_server", "--port", "0", "--log-file",
-                            str(log_file), "--api-key-env", "REGEN_API_KEY"], stdout=subprocess.PIPE, text=True, env=env)
+                            str(log_file), "--api-key-env", "REGEN_API_KEY",
+                            "--settings", json.dumps({"models": ["moonshotai/Kimi-K3"]})],  # the endpoint check asks
+                           stdout=subprocess.PIPE, text=True, env=env)
     try:
         url = srv.stdout.readline().split("listening on", 1)[1].strip()
         run = RunDir.at(tmp_path / "run")

@@ -32,11 +32,13 @@ def test_classify_status(status, code, klass):
     (Completion(content="  ", finish_reason="stop"), ["empty_content"]),
     (Completion(content="", finish_reason="tool_calls",
                 tool_calls=[{"function": {"name": "f", "arguments": "{\"a\": 1}"}}]), []),
-    (Completion(content="", tool_calls=[{"function": {"name": "f", "arguments": "{oops"}}]), ["invalid_tool_args"]),
-    (Completion(content="", tool_calls=[{"function": {"name": "f", "arguments": "[1, 2]"}}]), ["invalid_tool_args"]),
-    (Completion(content="<think>x</think> answer"), ["reasoning_leak"]),
-    (Completion(content="answer </think>"), ["unbalanced_think"]),
-    (Completion(content="answer", reasoning_content="<think> open"), ["unbalanced_think"]),
+    (Completion(content="", finish_reason="tool_calls", tool_calls=[{"function": {"name": "f", "arguments": "{oops"}}]),
+     ["invalid_tool_args"]),
+    (Completion(content="", finish_reason="tool_calls", tool_calls=[{"function": {"name": "f", "arguments": "[1, 2]"}}]),
+     ["invalid_tool_args"]),
+    (Completion(content="<think>x</think> answer", finish_reason="stop"), ["reasoning_leak"]),
+    (Completion(content="answer </think>", finish_reason="stop"), ["unbalanced_think"]),
+    (Completion(content="answer", finish_reason="stop", reasoning_content="<think> open"), ["unbalanced_think"]),
 ])
 def test_check_completion(completion, classes):
     assert check_completion(completion) == classes
@@ -205,11 +207,11 @@ def test_recover_drops_journal_rows_already_in_a_part(tmp_path):
 
 def test_odd_server_fields_are_normalized_or_malformed():
     from regen.generate.checks import RequestFailure
-    from regen.generate.client import _normalize
+    from regen.generate.wire import normalize as _normalize
 
     c = _normalize(Completion(content=[{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
                               tool_calls=[{"id": "x", "index": 0, "function": {"name": "f", "arguments": {"k": 1}}}],
-                              usage={"prompt_tokens": "7", "completion_tokens": 3}))
+                              usage={"prompt_tokens": "7", "completion_tokens": 3}, finish_reason="tool_calls"))
     assert c.content == "ab" and c.tool_calls == [{"id": "x", "type": "function",
                                                    "function": {"name": "f", "arguments": '{"k":1}'}}]
     assert c.usage == {"completion_tokens": 3} and check_completion(c) == []

@@ -46,6 +46,7 @@ class KimiK3Renderer:
 
     name = RENDERER_NAME
     version = RENDERER_VERSION
+    text_control_tokens: tuple[str, ...] = ()  # message text is encoded as plain text: no string in it is a control token
 
     def __init__(self, tokenizer: KimiTokenizer | str | None = None, *, mask_policy: str = DEFAULT_MASK_POLICY,
                  effort_aliases: dict[str, str] | None = None,
