@@ -81,10 +81,10 @@ def generate_task(generate: GenerateConfig, serve: ServeConfig, run_dir: str, re
     logger = get_run_logger()
     if repair or retry_classes is not None:  # the stage's own repair / retry, then the usual generate step
         cfg = generate
-        if serve.enabled:  # the identity is checked with the served model id, as the generate step will
-            from regen.serve.server import EmbeddedTarget
+        if serve.enabled:  # the identity is checked with the served model id and engine, as the generate step will
+            from regen.serve.server import served_generate
 
-            cfg = generate.model_copy(update={"model": EmbeddedTarget(serve).model})
+            cfg = served_generate(generate, serve)
         logger.info("generate: %s", stage.prepare(cfg, run, repair=repair, retry_classes=retry_classes))
     manifest = pipeline.step_generate(generate, serve, run, progress=False, log=logger.info)
     if manifest.get("last_retry"):
