@@ -113,6 +113,11 @@ async def closed_loop(target, prompts: list[dict], concurrency: int, seconds: fl
                     await asyncio.wait_for(_stream_one(client, url, body, rec), timeout=max(0.1, end - time.perf_counter()))
                 except asyncio.TimeoutError:
                     rec["closed"] = True
+                except httpx.HTTPError as exc:  # counted, and the loop goes on (a dead server is caught below)
+                    rec["error"] = f"{type(exc).__name__}: {exc}"[:200]
+                    if target.proc is None or target.proc.poll() is not None:
+                        raise RuntimeError(f"the {target.engine} server exited; log: {target.log_path}") from exc
+                    await asyncio.sleep(0.2)
 
         proc = psutil.Process(target.pid)
         cpu0 = _cpu(proc)
@@ -130,7 +135,9 @@ async def closed_loop(target, prompts: list[dict], concurrency: int, seconds: fl
             tokens += sum(1 for t in rec["chunks"] if t <= end)
         if rec["finish"] in finish and not rec.get("closed"):
             finish[rec["finish"]] += 1
-    return {"concurrency": concurrency, "wall_s": round(wall, 1), "tokens": round(tokens),
+    errors = [r["error"] for r in records if r.get("error")]
+    return {"concurrency": concurrency, "wall_s": round(wall, 1), "tokens": round(tokens), "errors": len(errors),
+            "first_error": errors[0] if errors else None,
             "tok_s": round(tokens / seconds, 1), "cpu_s_per_1k_tokens": round(1000 * cpu / max(tokens, 1), 2),
             "server_rss_mb": rss, "finished": finish, "load_avg": round(os.getloadavg()[0], 2)}
 
@@ -193,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-agreement", action="store_true", help="skip bench/serve_agreement.py")
     p.add_argument("--quick", action="store_true", help="llama.cpp, levels 1 and 4, 5 s, 32 tokens (test suite)")
     p.add_argument("--json", default=None, help="also write the summary here")
+    p.add_argument("--log-dir", default=None, help="the servers' logs (default: a new temporary directory, kept)")
     args = p.parse_args(argv)
     profile = load_profile("local", [o if o.startswith("serve.") else f"serve.{o}" for o in args.overrides])
     engines = ["llama.cpp"] if args.quick else [e.strip() for e in args.engines.split(",") if e.strip()]
@@ -210,9 +218,11 @@ def main(argv: list[str] | None = None) -> int:
     hogs = start_hogs(args.hog)
     results = []
     try:
-        with tempfile.TemporaryDirectory(prefix="regen-bench-serve-") as tmp:
-            for engine in engines:
-                results.append(run_engine(engine, profile.serve, prompts, levels, seconds, params, Path(tmp)))
+        logs = Path(args.log_dir or tempfile.mkdtemp(prefix="regen-bench-serve-logs-"))
+        logs.mkdir(parents=True, exist_ok=True)
+        print(json.dumps({"server_logs": str(logs)}), flush=True)
+        for engine in engines:
+            results.append(run_engine(engine, profile.serve, prompts, levels, seconds, params, logs))
     finally:
         for h in hogs:
             h.kill()

@@ -117,6 +117,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"regen.serve.llama_cpp: listening on {server.listening_address}", flush=True)
     signal.sigwait({signal.SIGTERM, signal.SIGINT})
     sys.stdout.flush()
+    try:  # llama.cpp's log lines are C stdio: flush them before leaving without the threads' join
+        import ctypes
+
+        ctypes.CDLL(None).fflush(None)
+    except OSError:
+        pass
     os._exit(0)  # the server's threads hold no state worth a clean join; exit at once
 
 

@@ -223,6 +223,8 @@ class EmbeddedTarget:
     def _spawn(self) -> None:
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1",
                    DO_NOT_TRACK="1", PYTHONUNBUFFERED="1")
+        if self.engine == "llama.cpp":  # OpenMP threads sleep at barriers instead of spinning (README: beside other work)
+            env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
         try:
