@@ -167,7 +167,7 @@ def run_engine(engine: str, serve, prompts, levels, seconds, params, log_dir: Pa
         return {"engine": engine, "skipped": True}
     t0 = time.perf_counter()
     with EmbeddedTarget(cfg, log_path=log_dir / f"{engine}.log", sampling=sampling_of(params)) as target:
-        head = {"engine": engine, **ident, "ready_s": round(time.perf_counter() - t0, 1),
+        head = {**ident, "engine": engine, "server": ident["engine"], "ready_s": round(time.perf_counter() - t0, 1),
                 "threads": cfg.threads if engine == "llama.cpp" else None}
         print(json.dumps(head), flush=True)
         rows = []
