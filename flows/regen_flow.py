@@ -81,10 +81,10 @@ def generate_task(generate: GenerateConfig, serve: ServeConfig, run_dir: str, re
     logger = get_run_logger()
     if repair or retry_classes is not None or recheck:  # the stage's own recheck / repair / retry, then generate
         cfg = generate
-        if serve.enabled:  # the identity is checked with the served model id, as the generate step will
-            from regen.serve.server import EmbeddedTarget
+        if serve.enabled:  # the identity is checked with the served model id and engine, as the generate step will
+            from regen.serve.server import served_generate
 
-            cfg = generate.model_copy(update={"model": EmbeddedTarget(serve).model})
+            cfg = served_generate(generate, serve)
         if recheck and any(run.generations.glob("ledger-*.jsonl")):  # rows to judge
             logger.info(stage.format_recheck(stage.recheck_run(cfg, run)["recheck"]))
         if repair or retry_classes is not None:

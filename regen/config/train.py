@@ -96,7 +96,7 @@ class TrainConfig(BaseModel):
     target_layer_ids: list[int] = Field(default_factory=list)  # empty = the default rule for 3 taps (spec §1)
     aux_hidden_stream: str = "prefix"  # prefix | attn_res
     fc_norm: bool = False
-    target_dtype: str = "auto"  # auto (bf16 on cuda, fp32 on cpu) | float32 | bfloat16
+    target_dtype: str = "auto"  # auto (bf16 on cuda and CPUs with native bf16, else fp32) | float32 | bfloat16
     # draft (spec §2-§4, §8)
     draft_preset: str = "small"  # small | kimi-k3
     attention_type: str = "mla"  # mla | gqa
@@ -133,7 +133,7 @@ class TrainConfig(BaseModel):
     loss_normalization: Literal["step", "micro_batch"] = "step"
     seed: int | None = None  # null = the profile's seed
     device: str = "auto"  # auto | cpu | cuda
-    dtype: str = "auto"  # draft compute dtype: auto (bf16 on cuda, fp32 on cpu) | float32 | bfloat16
+    dtype: str = "auto"  # draft compute: auto (bf16 on cuda and CPUs with native bf16, else fp32) | float32 | bfloat16
     # data feed (regen.train.feed)
     max_len: int = 4096  # tokens per row (longer rows are truncated)
     truncate: str = "right"  # right: keep a long row's first max_len tokens (DS); left: keep its last max_len

@@ -16,8 +16,9 @@ conversation stops there (`stop_reason = "tool_result_mismatch"`), later turns b
 Recorded tool results keep their content; their `tool_call_id` is rewritten to the regenerated call's id.
 
 Request key: sha256 of canonical JSON over prompt_id, turn, model, messages, tools, sampling
-(temperature, top_p, max_tokens, seed), extra_body and return_token_ids: everything that changes the answer
-(`stream` does not), plus the unit's identity so two prompts sharing a first turn keep distinct rows.
+(temperature, top_p, max_tokens, seed), extra_body and return_token_ids, and `served_by` when an embedded engine
+serves (its engine, version and weights): everything that changes the answer (`stream` does not), plus the unit's
+identity so two prompts sharing a first turn keep distinct rows.
 """
 from __future__ import annotations
 
@@ -44,16 +45,22 @@ def sampling_params(cfg: GenerateConfig) -> dict:
 
 def request_config(cfg: GenerateConfig) -> dict:
     """Everything in cfg that changes answers (hashed into the run's request-config hash); no secrets."""
-    return {"model": cfg.model, "sampling": sampling_params(cfg), "extra_body": cfg.extra_body,
-            "return_token_ids": cfg.return_token_ids, "reasoning_in_history": cfg.reasoning_in_history}
+    out = {"model": cfg.model, "sampling": sampling_params(cfg), "extra_body": cfg.extra_body,
+           "return_token_ids": cfg.return_token_ids, "reasoning_in_history": cfg.reasoning_in_history}
+    if cfg.served_by:  # only when set, so the hashes of runs against remote endpoints stay what they were
+        out["served_by"] = cfg.served_by
+    return out
 
 
 def request_key(prompt_id: str, turn: int, cfg: GenerateConfig, messages: list[dict], tools: list[dict] | None) -> str:
     """sha256 hex (64 chars) of everything that changes this unit's answer (see module doc)."""
-    payload = canonical_json({
+    fields = {
         "prompt_id": prompt_id, "turn": turn, "model": cfg.model, "messages": messages, "tools": tools or None,
         "sampling": sampling_params(cfg), "extra_body": cfg.extra_body, "return_token_ids": cfg.return_token_ids,
-    })
+    }
+    if cfg.served_by:
+        fields["served_by"] = cfg.served_by
+    payload = canonical_json(fields)
     return hashlib.sha256(payload.encode("utf-8")).hexdigest()
 
 

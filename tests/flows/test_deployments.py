@@ -78,9 +78,12 @@ def test_kimi_k3_deployment_against_a_test_server(prefect_stack, fake_openai, tm
 
 
 def _server_posts(server_log: Path) -> int:
+    """Chat requests the embedded target logged: transformers serve's access lines, or llama.cpp's one
+    `launch_slot_` line per request (regen.serve.server.EmbeddedTarget.request_count)."""
     if not server_log.exists():
         return 0
-    return sum('"POST /v1/chat/completions' in line for line in server_log.read_text(errors="replace").splitlines())
+    return sum('"POST /v1/chat/completions' in line or "launch_slot_" in line
+               for line in server_log.read_text(errors="replace").splitlines())
 
 
 def test_local_deployment_survives_a_killed_worker(prefect_stack, tmp_path):

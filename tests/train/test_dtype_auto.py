@@ -1,0 +1,43 @@
+"""`train.dtype` / `train.target_dtype: auto`: bf16 only where the CPU computes it natively (issue 21 point 6)."""
+from __future__ import annotations
+
+import torch
+
+from regen.config import load_profile
+from regen.rundir import RunDir
+from regen.train import loop
+from regen.train.loop import _dtype, native_bf16, run_train
+
+AVX2_EPYC = "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse2 avx avx2 fma f16c bmi2\n"
+SAPPHIRE = "processor\t: 0\nflags\t\t: avx2 avx512f avx512_vnni avx512_bf16 amx_tile amx_bf16\n"
+NEOVERSE = "processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\n"
+
+
+def test_native_bf16_reads_the_cpu_flags():
+    assert not native_bf16(AVX2_EPYC)
+    assert native_bf16(SAPPHIRE) and native_bf16(NEOVERSE)
+    assert not native_bf16("")
+
+
+def test_auto_is_fp32_on_a_cpu_without_bf16_and_bf16_with_it(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(loop, "native_bf16", lambda cpuinfo=None: False)
+    assert _dtype("auto", cpu) == torch.float32
+    monkeypatch.setattr(loop, "native_bf16", lambda cpuinfo=None: True)
+    assert _dtype("auto", cpu) == torch.bfloat16
+    assert _dtype("float32", cpu) == torch.float32 and _dtype("bfloat16", cpu) == torch.bfloat16
+
+
+def test_the_local_profile_asks_for_auto():
+    train = load_profile("local").train
+    assert train.dtype == "auto" and train.target_dtype == "auto"
+
+
+def test_the_choice_is_in_the_summary_and_the_log(tiny_run, monkeypatch, caplog):
+    monkeypatch.setattr(loop, "native_bf16", lambda cpuinfo=None: False)
+    profile, run_dir = tiny_run
+    cfg = load_profile(str(profile), {"train.max_steps": 2, "train.dtype": "auto", "train.target_dtype": "auto"}).train
+    with caplog.at_level("INFO"):
+        s = run_train(cfg, RunDir.at(run_dir))
+    assert s["dtype"] == {"draft": "float32", "target": "float32", "asked": ["auto", "auto"], "cpu_native_bf16": False}
+    assert any("dtype: draft float32, target float32" in r.getMessage() for r in caplog.records)
