@@ -27,6 +27,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("regen.pipeline", "the main job: every stage of a profile in order, resumable"),
     "query": ("regen.report.query", "run DuckDB SQL over the run's views (prompts, rejected, generations, ...)"),
     "report": ("regen.report.html", "write an HTML report with plots for a run"),
+    "config": ("regen.config.reference", "print a profile with its defaults filled in, or (--markdown) the "
+               "configuration reference docs/configuration.md"),
 }
 
 

@@ -31,15 +31,18 @@ class ProfileError(InputError):
 class Profile(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    name: str
-    description: str = ""
-    seed: int = 0
-    select: SelectConfig = Field(default_factory=SelectConfig)
-    serve: ServeConfig = Field(default_factory=ServeConfig)
-    generate: GenerateConfig = Field(default_factory=GenerateConfig)
-    render: RenderConfig = Field(default_factory=RenderConfig)
-    train: TrainConfig = Field(default_factory=TrainConfig)
-    plan: PlanConfig = Field(default_factory=PlanConfig)  # stated assumptions of `regen plan`
+    name: str = Field(description="the profile's name (its file is data/profiles/<name>.yaml)")
+    description: str = Field("", description="one line on what the profile is for")
+    seed: int = Field(0, description="the run's seed: selection order, training (unless train.seed), eval")
+    select: SelectConfig = Field(default_factory=SelectConfig, description="`regen select`: sources, mix, filters")
+    serve: ServeConfig = Field(default_factory=ServeConfig, description="the embedded target (`local` profile)")
+    generate: GenerateConfig = Field(default_factory=GenerateConfig, description="`regen generate`: endpoints, "
+                                     "sampling, policies, retries")
+    render: RenderConfig = Field(default_factory=RenderConfig, description="`regen render`: response filters, "
+                                 "renderer, mask, shards")
+    train: TrainConfig = Field(default_factory=TrainConfig, description="`regen train` and `regen eval`: target, "
+                               "draft, objective, optimisation, feed")
+    plan: PlanConfig = Field(default_factory=PlanConfig, description="stated assumptions of `regen plan`")
 
 
 def profile_path(name_or_path: str) -> Path:

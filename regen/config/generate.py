@@ -41,10 +41,12 @@ class TimeoutConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    connect: float = 10.0
-    first_byte: float = 900.0
-    between_chunks: float = 300.0
-    total: float = 7200.0
+    connect: float = Field(10.0, description="seconds to open a connection (also the `GET /models` check before "
+                           "the first request)")
+    first_byte: float = Field(900.0, description="seconds from sending to the first body chunk (a non-streamed "
+                              "request: the whole generation)")
+    between_chunks: float = Field(300.0, description="seconds a stream may stay silent between two chunks")
+    total: float = Field(7200.0, description="seconds one request may take in all")
 
 
 class RetryConfig(BaseModel):
@@ -52,12 +54,14 @@ class RetryConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    max_attempts: int = 6  # per (prompt, turn), all causes together
-    base_s: float = 1.0
-    max_s: float = 60.0
-    max_retry_after_s: float = 300.0  # cap on a server's Retry-After
-    larger_factor: float = 2.0  # retry_larger: max_tokens *= factor per attempt ...
-    max_tokens_cap: int = 131_072  # ... up to this
+    max_attempts: int = Field(6, description="attempts per (prompt, turn) unit, all causes together")
+    base_s: float = Field(1.0, description="backoff delay of the first retry, seconds (doubles per attempt, "
+                          "jittered x U(0.5, 1))")
+    max_s: float = Field(60.0, description="cap on one backoff delay, seconds")
+    max_retry_after_s: float = Field(300.0, description="cap on a server's Retry-After, seconds")
+    larger_factor: float = Field(2.0, description="policy retry_larger: max_tokens is multiplied by this per "
+                                 "attempt ...")
+    max_tokens_cap: int = Field(131_072, description="... up to this many tokens")
 
 
 class HealthConfig(BaseModel):
@@ -66,10 +70,13 @@ class HealthConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    fail_threshold: int = 5
-    interval_s: float = 5.0
-    probe_timeout_s: float = 5.0
-    max_wait_s: float = 600.0  # an attempt waits this long for any available endpoint, then fails as `connection`
+    fail_threshold: int = Field(5, description="consecutive transport failures that take an endpoint out of the "
+                                "pool")
+    interval_s: float = Field(5.0, description="seconds between probes (`GET /models`) of an endpoint out of the "
+                              "pool")
+    probe_timeout_s: float = Field(5.0, description="seconds one probe may take")
+    max_wait_s: float = Field(600.0, description="an attempt waits this long for any available endpoint, then "
+                              "fails as `connection`")
 
 
 class ConcurrencyConfig(BaseModel):
@@ -81,17 +88,21 @@ class ConcurrencyConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    initial: int = 8  # requests in flight per endpoint at the start
-    min: int = 1
-    max: int = 1024  # per endpoint; also the number of workers of a process is endpoints x max (capped)
-    min_samples: int = 16
-    min_window_s: float = 1.0
-    min_gain: float = 0.05  # a step up must raise output tokens/s by this fraction to be kept
-    backoff: float = 0.7  # multiplicative decrease on 429/503 (AIMD, Chiu & Jain 1989)
-    latency_tolerance: float = 2.0  # no-gauge mode: p50 TTFT above this x the TTFT that last paid is a queue
-    metrics: Literal["auto", "off"] = "auto"  # read the server's Prometheus /metrics gauges when it has them
-    metrics_poll_s: float = 1.0
-    queue_target: float = 0.05  # gauge mode: keep waiting ~ this fraction of running (at least 1, never 0)
+    initial: int = Field(8, description="requests in flight per endpoint at the start")
+    min: int = Field(1, description="the lowest in-flight limit per endpoint")
+    max: int = Field(1024, description="the highest in-flight limit per endpoint; a process runs endpoints x max "
+                     "workers (capped)")
+    min_samples: int = Field(16, description="completions in a decision window, at least (and at least the limit)")
+    min_window_s: float = Field(1.0, description="seconds between two decisions, at least")
+    min_gain: float = Field(0.05, description="a step up must raise output tokens/s by this fraction to be kept")
+    backoff: float = Field(0.7, description="multiplicative decrease on 429/503 (AIMD, Chiu & Jain 1989), in (0, 1)")
+    latency_tolerance: float = Field(2.0, description="without /metrics: a p50 TTFT above this x the TTFT that "
+                                     "last paid is a queue")
+    metrics: Literal["auto", "off"] = Field("auto", description="read the server's Prometheus /metrics gauges "
+                                            "(vLLM, SGLang) when it has them")
+    metrics_poll_s: float = Field(1.0, description="seconds between two reads of /metrics")
+    queue_target: float = Field(0.05, description="with /metrics: keep the server's waiting requests at about this "
+                                "fraction of its running ones (at least 1, never 0)")
 
     @model_validator(mode="after")
     def _check_bounds(self) -> "ConcurrencyConfig":
@@ -106,35 +117,51 @@ class ConcurrencyConfig(BaseModel):
 class GenerateConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model: str = "moonshotai/Kimi-K3"
-    endpoints: list[str] = Field(default_factory=list)  # base URLs ending in /v1; may use ${ENV_VARS}
-    api_key_env: str | None = None  # name of the environment variable holding the API key
-    max_in_flight: int | Literal["auto"] = 4096  # or "auto": per-endpoint limit found by `concurrency`
-    concurrency: ConcurrencyConfig = Field(default_factory=ConcurrencyConfig)
-    stream: bool = True
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_tokens: int = 32_768
-    seed: int | None = None  # sent only when set: some servers reject the field
-    extra_body: dict = Field(default_factory=dict)  # merged into every request body (e.g. thinking, chat_template_kwargs)
-    return_token_ids: bool = False  # opt-in: servers that do not know the field answer 400
-    # The embedded engine that answers (regen.serve.server.engine_identity: engine, version, weights), set by the
-    # pipeline when `serve.enabled`; part of the request config, so a run is never generated by two engines.
-    served_by: dict | None = None
-    stream_usage: bool = True  # stream_options.include_usage when streaming
-    reasoning_in_history: bool = True  # send earlier regenerated turns' reasoning_content back (interleaved thinking)
-    policies: dict[str, str] = Field(default_factory=dict)  # quality class -> retry|retry_larger|keep_flagged|drop
-    think_markers: list[str] = Field(default_factory=lambda: ["<think>", "</think>"])  # open, close
-    # the target template's end-of-turn strings (e.g. ["<|im_end|>"] for ChatML): an answer holding one with text
-    # after it is `text_after_end`; one echoed at the very end is stripped (flag end_marker_stripped). [] = no check
-    end_of_turn_markers: list[str] = Field(default_factory=list)
-    timeouts: TimeoutConfig = Field(default_factory=TimeoutConfig)
-    retry: RetryConfig = Field(default_factory=RetryConfig)
-    health: HealthConfig = Field(default_factory=HealthConfig)
-    part_rows: int = 1000  # rows per Parquet part (bounds memory; the journal makes every row durable before that)
-    part_interval_s: float = 300.0  # ... or a part at least this often
-    queue_size: int = 0  # conversations queued ahead of the workers; 0 = 2 * max_in_flight
-    ray_actors: int = 0  # with --ray: number of actors; 0 = one per alive node
+    model: str = Field("moonshotai/Kimi-K3", description="the model id sent in every request; each endpoint's "
+                       "`GET /models` must list it")
+    endpoints: list[str] = Field(default_factory=list, description="OpenAI-compatible base URLs ending in /v1; may "
+                                 "use ${ENV_VARS}; `--endpoint URL` adds one")
+    api_key_env: str | None = Field(None, description="name of the environment variable holding the API key (the "
+                                    "key itself is never in a profile, a log or an output)")
+    max_in_flight: int | Literal["auto"] = Field(4096, description="requests in flight per process, or `auto`: each "
+                                                 "endpoint's limit found by `concurrency`")
+    concurrency: ConcurrencyConfig = Field(default_factory=ConcurrencyConfig,
+                                           description="bounds and gains of `max_in_flight: auto`")
+    stream: bool = Field(True, description="stream answers (SSE)")
+    temperature: float = Field(1.0, description="sampling temperature sent with every request")
+    top_p: float = Field(1.0, description="nucleus sampling top-p sent with every request")
+    max_tokens: int = Field(32_768, description="`max_tokens` of a first attempt (reasoning + answer)")
+    seed: int | None = Field(None, description="sampling seed, sent only when set (some servers reject the field)")
+    extra_body: dict = Field(default_factory=dict, description="merged into every request body (e.g. `thinking`, "
+                             "`chat_template_kwargs`)")
+    return_token_ids: bool = Field(False, description="ask for prompt and completion token ids (vLLM/SGLang); "
+                                   "opt-in: servers that do not know the field answer 400")
+    served_by: dict | None = Field(None, description="the embedded engine that answers (engine, version, weights), "
+                                   "set by the pipeline when `serve.enabled`; part of the request config, so a run "
+                                   "is never generated by two engines")
+    stream_usage: bool = Field(True, description="ask for `usage` in the stream (`stream_options.include_usage`)")
+    reasoning_in_history: bool = Field(True, description="send earlier regenerated turns' `reasoning_content` back "
+                                       "in later turns (interleaved thinking)")
+    policies: dict[str, str] = Field(default_factory=dict, description="quality class -> policy; classes left out "
+                                     "keep their default (table below)",
+                                     json_schema_extra={"allowed": "quality class: " + ", ".join(DEFAULT_POLICIES)
+                                                        + "; policy: " + ", ".join(POLICY_NAMES)})
+    think_markers: list[str] = Field(default_factory=lambda: ["<think>", "</think>"],
+                                     description="the open and close think markers checked in content and "
+                                     "reasoning (`unbalanced_think`, `reasoning_leak`)")
+    end_of_turn_markers: list[str] = Field(default_factory=list, description="the target template's end-of-turn "
+                                           "strings (`<|im_end|>` for ChatML): an answer holding one with text after "
+                                           "it is `text_after_end`; one echoed at the very end is stripped (flag "
+                                           "`end_marker_stripped`); [] = no check")
+    timeouts: TimeoutConfig = Field(default_factory=TimeoutConfig, description="per-request timeouts, seconds")
+    retry: RetryConfig = Field(default_factory=RetryConfig, description="retries and their backoff")
+    health: HealthConfig = Field(default_factory=HealthConfig, description="when an endpoint leaves and rejoins "
+                                 "the pool")
+    part_rows: int = Field(1000, description="rows per Parquet part (bounds memory; the journal makes every row "
+                           "durable before that)")
+    part_interval_s: float = Field(300.0, description="... or a part at least this often, seconds")
+    queue_size: int = Field(0, description="conversations queued ahead of the workers; 0 = 2 x max_in_flight")
+    ray_actors: int = Field(0, description="with `--ray`: the number of actors; 0 = one per alive node")
 
     @field_validator("policies")
     @classmethod

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from filters.prompt import PROMPT_FILTERS
 from schemas.prompt import CATEGORIES
+
+SHORTFALL_POLICIES = ("redistribute", "report_only")
 
 
 class SourceConfig(BaseModel):
@@ -22,13 +25,19 @@ class SourceConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str
-    path: str
-    category: str | None = None  # a fixed category for every row of this source (after the row's own label)
-    language: str | None = None  # a fixed ISO 639-1 code for every row (skips language identification)
-    category_map: dict[str, str] = Field(default_factory=dict)  # the source's own label -> our category
-    fields: dict[str, str] = Field(default_factory=dict)
-    max_rows: int | None = None  # cap on rows read per file (pool sampling is done by the mix, not here)
+    name: str = Field(description="the source's name (the prompts' `source` column, `select.max_per_source` keys)")
+    path: str = Field(description="a file, a glob, a directory of data files or a `save_to_disk` directory; "
+                      "relative to the repository root; may use ${ENV}")
+    category: str | None = Field(None, description="a fixed category for every row of this source (after the "
+                                 "row's own label)", json_schema_extra={"allowed": list(CATEGORIES)})
+    language: str | None = Field(None, description="a fixed ISO 639-1 code for every row (skips language "
+                                 "identification)")
+    category_map: dict[str, str] = Field(default_factory=dict, description="the source's own label -> our "
+                                         "category", json_schema_extra={"allowed": list(CATEGORIES)})
+    fields: dict[str, str] = Field(default_factory=dict, description="record field -> the source's column, when "
+                                   "the shape is not recognized or to override detection (`{prompt: question}`)")
+    max_rows: int | None = Field(None, description="rows read per file at most (pool sampling is done by the mix, "
+                                 "not here)")
 
     @field_validator("category")
     @classmethod
@@ -49,45 +58,59 @@ class SourceConfig(BaseModel):
 class SelectConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    sources: list[SourceConfig] = Field(default_factory=list)
-    total: int = 150_000
-    mix: dict[str, float] = Field(default_factory=dict)  # category -> share; shares sum to 1 (empty: equal)
-    max_per_source: dict[str, int] = Field(default_factory=dict)
-    max_per_language: dict[str, int] = Field(default_factory=dict)
-    shortfall_policy: str = "redistribute"  # redistribute | report_only
-    # A category selected below `min_category_fill` x its target (round(total * share)) is a starved quota:
-    # a loud warning on stderr and in the manifest's `warnings` (`warn`), or an InputError before anything is
-    # written (`fail`). 0 turns the check off.
-    min_category_fill: float = 0.5
-    on_category_shortfall: str = "warn"  # warn | fail
-    # Rows with tool calls but no declared tools: tools from JSON schemas in the system text, else inferred from
-    # the calls (prompts column `tools_inferred`); False rejects such rows (filter `parse`, "declares no tools").
-    infer_tool_schemas: bool = True
-    # A source file that cannot be read (not decodable, not JSON, unsupported format): `fail` stops before
-    # anything is written, naming every bad file; `skip` leaves them out (listed in the manifest's `bad_files`).
-    on_bad_file: str = "fail"  # fail | skip
-    # Category policy: Chinese prompts -> "chinese", other non-English -> "multilingual", except categories
-    # listed in `language_exempt_categories` (tool use is scarce and its format is language-neutral).
-    language_overrides_category: bool = True
-    language_exempt_categories: list[str] = Field(default_factory=lambda: ["tool_use"])
-    max_prompt_tokens: int = 16_384
-    min_prompt_chars: int = 1
-    drop_prompts_with_images: bool = False  # True for a text-only target
-    near_dup_threshold: float = 0.8
-    num_perm: int = 128
-    shingle_chars: int = 5  # character n-gram size of the MinHash shingles
-    minhash_max_chars: int = 4096  # near dedup compares the first this-many normalized characters
-    contamination_files: list[str] = Field(default_factory=list)
-    contamination_ngram: int = 13  # word n-gram size for overlap matching
-    contamination_overlap: float = 0.5  # drop when this share of a prompt's n-grams is in the benchmark set
-    batch_rows: int = 20_000  # rows per streaming batch
-    workers: int = 2  # processes normalizing and filtering batches (1: in the main process); output is identical
-    rows_per_part: int = 50_000  # prompts per output part file
+    sources: list[SourceConfig] = Field(default_factory=list, description="the prompt pools (fields below: "
+                                        "`select.sources[].*`)")
+    total: int = Field(150_000, description="prompts to select (>= 1)")
+    mix: dict[str, float] = Field(default_factory=dict, description="category -> share; shares sum to 1 (empty: "
+                                  "equal shares)", json_schema_extra={"allowed": list(CATEGORIES)})
+    max_per_source: dict[str, int] = Field(default_factory=dict, description="source name -> prompts at most")
+    max_per_language: dict[str, int] = Field(default_factory=dict, description="language code -> prompts at most")
+    shortfall_policy: str = Field("redistribute", description="a category short of supply: give its shortfall to "
+                                  "the others by share, or leave it unfilled",
+                                  json_schema_extra={"allowed": list(SHORTFALL_POLICIES)})
+    min_category_fill: float = Field(0.5, description="a category selected below this x its target "
+                                     "(round(total x share)) is a starved quota (see on_category_shortfall); 0 = no "
+                                     "check")
+    on_category_shortfall: str = Field("warn", description="a starved quota: a loud warning on stderr and in the "
+                                       "manifest's `warnings`, or an InputError before anything is written",
+                                       json_schema_extra={"allowed": ["warn", "fail"]})
+    infer_tool_schemas: bool = Field(True, description="rows with tool calls but no declared tools: tools from JSON "
+                                     "schemas in the system text, else inferred from the calls (column "
+                                     "`tools_inferred`); false rejects them (filter `parse`)")
+    on_bad_file: str = Field("fail", description="a source file that cannot be read: stop before anything is "
+                             "written, naming every bad file, or leave them out (manifest `bad_files`); "
+                             "`--on-bad-file`", json_schema_extra={"allowed": ["fail", "skip"]})
+    language_overrides_category: bool = Field(True, description="Chinese prompts -> `chinese`, other non-English "
+                                              "-> `multilingual`, except language_exempt_categories")
+    language_exempt_categories: list[str] = Field(default_factory=lambda: ["tool_use"], description="categories "
+                                                  "the language policy leaves alone (tool use is scarce and its "
+                                                  "format is language-neutral)")
+    max_prompt_tokens: int = Field(16_384, description="filter token_budget: prompts estimated longer are rejects")
+    min_prompt_chars: int = Field(1, description="filter empty: prompts with fewer non-space characters of user "
+                                  "text are rejects")
+    drop_prompts_with_images: bool = Field(False, description="filter image_only: also drop prompts that hold any "
+                                           "image part (true for a text-only target)")
+    near_dup_threshold: float = Field(0.8, description="near_dedup: estimated Jaccard similarity at or above "
+                                      "which a prompt is a near duplicate, in (0, 1]")
+    num_perm: int = Field(128, description="near_dedup: MinHash permutations")
+    shingle_chars: int = Field(5, description="near_dedup: character n-gram size of the MinHash shingles")
+    minhash_max_chars: int = Field(4096, description="near_dedup: the first this-many normalized characters are "
+                                   "compared")
+    contamination_files: list[str] = Field(default_factory=list, description="benchmark prompt sets that must not "
+                                           "be trained on (filter contamination)")
+    contamination_ngram: int = Field(13, description="contamination: word n-gram size for overlap matching")
+    contamination_overlap: float = Field(0.5, description="contamination: drop when this share of a prompt's "
+                                         "n-grams is in the benchmark set")
+    batch_rows: int = Field(20_000, description="rows per streaming batch")
+    workers: int = Field(2, description="processes normalizing and filtering batches (1: in the main process); "
+                         "the output is identical")
+    rows_per_part: int = Field(50_000, description="prompts per output part file")
     filters: list[str] = Field(
         default_factory=lambda: [
             "empty", "control_chars", "image_only", "tool_schema", "token_budget", "contamination", "exact_dedup", "near_dedup"
-        ]
-    )
+        ],
+        description="prompt filters, in order (the first that fails rejects the row)",
+        json_schema_extra={"allowed": list(PROMPT_FILTERS)})
 
     @field_validator("total")
     @classmethod
@@ -114,7 +137,7 @@ class SelectConfig(BaseModel):
     @field_validator("shortfall_policy")
     @classmethod
     def _policy(cls, v):
-        if v not in ("redistribute", "report_only"):
+        if v not in SHORTFALL_POLICIES:
             raise ValueError(f"shortfall_policy {v!r}: use 'redistribute' or 'report_only'")
         return v
 
@@ -132,8 +155,6 @@ class SelectConfig(BaseModel):
 
     @model_validator(mode="after")
     def _filters_known(self):
-        from filters.prompt import PROMPT_FILTERS
-
         bad = [f for f in self.filters if f not in PROMPT_FILTERS]
         if bad:
             raise ValueError(f"filters {bad} unknown: choose from {sorted(PROMPT_FILTERS)}")

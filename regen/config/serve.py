@@ -1,6 +1,6 @@
 """Sub-config of the embedded target server (`regen serve-target`, and `regen run` when `enabled`).
 
-Two engines serve the same model directory on loopback only (README "The embedded target"): `llama.cpp` (its C++
+Two engines serve the same model directory on loopback only (docs/demo.md): `llama.cpp` (its C++
 server from the prebuilt wheel `xllamacpp`, on the directory's `engine-<gguf_type>.gguf`; regen.serve.llama_cpp)
 and `transformers` (`transformers serve`, the library the trainer uses, on `model.safetensors`). When `llama.cpp`
 is asked for and `xllamacpp` is not installed, the target falls back to `transformers` with a message; the engine
@@ -19,25 +19,38 @@ LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 class ServeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    enabled: bool = False  # start the embedded target before `generate` when true
-    engine: Literal["llama.cpp", "transformers"] = "transformers"
-    model_dir: str = "data/models/smollm2-135m"  # made by `python -m regen.serve.prepare_model` (scripts/setup.sh)
-    host: str = "127.0.0.1"  # loopback only
-    port: int = 0  # 0 = a free ephemeral port chosen at start
-    device: str = "cpu"
-    continuous_batching: bool = True  # batch concurrent requests (paged attention)
-    cb_num_blocks: int | None = 16  # KV capacity in 256-token whole-model blocks (16 -> 4K tokens per step read)
-    cb_max_batch_tokens: int | None = 256  # tokens per forward step (prefill chunk); bounds the mask memory
-    ready_timeout_s: float = 300.0  # start -> /v1/models lists the model
-    warmup: bool = True  # one 1-token request before use (the first request initializes the batching cache)
-    log_level: str = "info"  # `info` logs one access line per request (the request log)
-    extra_args: list[str] = Field(default_factory=list)  # appended to the `transformers serve` command line
-    # llama.cpp engine (regen.serve.llama_cpp)
-    gguf_type: Literal["q8_0", "f16", "f32"] = "q8_0"  # which engine-<type>.gguf of model_dir (gguf_weights)
-    threads: int = Field(0, ge=0)  # compute threads; 0 = the machine's CPU count
-    parallel: int = Field(32, ge=1)  # slots: requests decoded together (more requests wait in the server's queue)
-    ctx_per_slot: int = Field(2048, ge=64)  # KV tokens per slot: prompt + answer (render.max_tokens keeps no more)
-    poll: int = Field(0, ge=0, le=100)  # spin-wait of idle compute threads (llama.cpp --poll); 0 = sleep
+    enabled: bool = Field(False, description="start the embedded target before `generate` (and stop it after)")
+    engine: Literal["llama.cpp", "transformers"] = Field("transformers", description="llama.cpp's C++ server "
+                                                         "(wheel xllamacpp, on engine-<gguf_type>.gguf) or "
+                                                         "`transformers serve` (on model.safetensors); llama.cpp "
+                                                         "falls back to transformers when xllamacpp is missing")
+    model_dir: str = Field("data/models/smollm2-135m", description="the prepared model directory, made by "
+                           "`python -m regen.serve.prepare_model` (scripts/setup.sh)")
+    host: str = Field("127.0.0.1", description="the address the server listens on: loopback only",
+                      json_schema_extra={"allowed": list(LOOPBACK_HOSTS)})
+    port: int = Field(0, description="the server's port; 0 = a free ephemeral port chosen at start")
+    device: str = Field("cpu", description="transformers: the torch device of `transformers serve`")
+    continuous_batching: bool = Field(True, description="transformers: batch concurrent requests (paged attention)")
+    cb_num_blocks: int | None = Field(16, description="transformers: KV capacity in 256-token whole-model blocks "
+                                      "(16 -> 4K tokens per step read)")
+    cb_max_batch_tokens: int | None = Field(256, description="transformers: tokens per forward step (prefill "
+                                            "chunk); bounds the mask memory")
+    ready_timeout_s: float = Field(300.0, description="seconds from start until `/v1/models` lists the model")
+    warmup: bool = Field(True, description="one 1-token request before use (the first request initializes the "
+                         "batching cache and, for transformers, fixes its sampling)")
+    log_level: str = Field("info", description="transformers: the server's log level (`info` logs one access line "
+                           "per request, the request log)")
+    extra_args: list[str] = Field(default_factory=list, description="transformers: appended to the `transformers "
+                                  "serve` command line")
+    gguf_type: Literal["q8_0", "f16", "f32"] = Field("q8_0", description="llama.cpp: which engine-<type>.gguf of "
+                                                     "model_dir it serves (regen.serve.gguf_weights)")
+    threads: int = Field(0, ge=0, description="llama.cpp: compute threads; 0 = the machine's CPU count")
+    parallel: int = Field(32, ge=1, description="llama.cpp: slots, requests decoded together (more requests wait "
+                          "in the server's queue)")
+    ctx_per_slot: int = Field(2048, ge=64, description="llama.cpp: KV tokens per slot, prompt + answer "
+                              "(render.max_tokens keeps no more)")
+    poll: int = Field(0, ge=0, le=100, description="llama.cpp: spin-wait of idle compute threads (--poll); 0 = "
+                      "sleep")
 
     @field_validator("host")
     @classmethod

@@ -77,80 +77,104 @@ class ProducersConfig(BaseModel):
                                  "producers must reach it: auto = this host's address")
     dispatcher_port: int = Field(0, ge=0, le=65535, description="its port (0 = a free one, written to "
                                  "<train dir>/features/dispatcher.json)")
-    store: StoreConfig = Field(default_factory=StoreConfig)
+    store: StoreConfig = Field(default_factory=StoreConfig, description="the Mooncake store that carries the "
+                               "feature objects")
 
 
 class TrainConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    enabled: bool = False
+    enabled: bool = Field(False, description="`regen run` trains after render (and evaluates when eval_prompts > 0)")
     # target and feature contract (spec §1)
-    target: str | None = None  # local path of the target model (transformers directory); may use ${ENV}
+    target: str | None = Field(None, description="local path of the target model (a transformers directory); may "
+                               "use ${ENV}")
     features: Literal["in_process", "producers"] = Field(
         "in_process", description="where tap features come from: the whole target in every trainer rank "
-        "(small targets), or a producer pool through a Mooncake store (README \"Training at scale\")")
-    producers: ProducersConfig = Field(default_factory=ProducersConfig)
+        "(small targets), or a producer pool through a Mooncake store (docs/train.md, \"Training at scale\")")
+    producers: ProducersConfig = Field(default_factory=ProducersConfig, description="the feature producer pool "
+                                       "(features: producers)")
     target_head_keys: dict[str, str] = Field(default_factory=dict, description="tensor names {embed, norm, "
                                              "lm_head} of the target head, for architectures transformers cannot "
                                              "build (regen.train.target_head)")
-    target_layer_ids: list[int] = Field(default_factory=list)  # empty = the default rule for 3 taps (spec §1)
-    aux_hidden_stream: str = "prefix"  # prefix | attn_res
-    fc_norm: bool = False
-    target_dtype: str = "auto"  # auto (bf16 on cuda and CPUs with native bf16, else fp32) | float32 | bfloat16
+    target_layer_ids: list[int] = Field(default_factory=list, description="the target's tap layers; empty = the "
+                                        "default rule for 3 taps (spec §1)")
+    aux_hidden_stream: Literal["prefix", "attn_res"] = Field("prefix", description="which hidden stream the taps "
+                                                             "read (spec §1)")
+    fc_norm: bool = Field(False, description="a per-tap RMSNorm before the draft's fc (taps differ in scale across "
+                          "depth)")
+    target_dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="the target's dtype; auto = "
+                                                                 "bf16 on CUDA and on CPUs with native bf16, else "
+                                                                 "fp32")
     # draft (spec §2-§4, §8)
-    draft_preset: str = "small"  # small | kimi-k3
-    attention_type: str = "mla"  # mla | gqa
-    block_size: int = 7
-    num_draft_layers: int = 5
-    markov_rank: int = 256
-    enable_confidence_head: bool = True
-    mask_token_id: int | None = None  # null = the preset's (small: vocab_size - 1)
-    # the draft's RoPE base θ (written to config.json, checked by `regen eval` against the checkpoint's);
-    # null = the preset's: small 10,000, kimi-k3 50,000 (spec §2 table)
-    rope_theta: float | None = Field(default=None, gt=0)
-    # reduced output vocabulary (EAGLE-3 d2t/t2d, regen.train.draft_vocab): the N most frequent supervised tokens of
-    # the training shards; targets outside it leave the loss. 0 = the target's full vocabulary (K3 serving).
-    draft_vocab_size: int = Field(default=0, ge=0)
-    draft: dict = Field(default_factory=dict)  # DSparkConfig field overrides
+    draft_preset: Literal["small", "kimi-k3"] = Field("small", description="small: sized from the target's config "
+                                                      "(spec §9); kimi-k3: the full-size K3 MLA draft (spec §2, §8)")
+    attention_type: Literal["mla", "gqa"] = Field("mla", description="the draft's attention")
+    block_size: int = Field(7, description="draft tokens per block (spec §2)")
+    num_draft_layers: int = Field(5, description="the draft's decoder layers")
+    markov_rank: int = Field(256, description="rank of the Markov head (a low-rank bigram of the previous token; 0 "
+                             "= none)")
+    enable_confidence_head: bool = Field(True, description="train the confidence head (spec §4)")
+    mask_token_id: int | None = Field(None, description="the mask token of the draft's block; null = the preset's "
+                                      "(small: vocab_size - 1)")
+    rope_theta: float | None = Field(default=None, gt=0, description="the draft's RoPE base θ, written to "
+                                     "config.json and checked by `regen eval` against the checkpoint's; null = the "
+                                     "preset's (small 10,000, kimi-k3 50,000, spec §2 table)")
+    draft_vocab_size: int = Field(default=0, ge=0, description="a reduced output vocabulary (EAGLE-3 d2t/t2d): the N "
+                                  "most frequent supervised tokens of the training shards; targets outside it leave "
+                                  "the loss; 0 = the target's full vocabulary (K3 serving)")
+    draft: dict = Field(default_factory=dict, description="DSparkConfig field overrides on top of the preset (e.g. "
+                        "`{hidden_size: 7168, num_hidden_layers: 5}`)")
     # objective (spec §5)
-    num_anchors: int = 512
-    loss_decay_gamma: float = 4.0
-    loss_weights: list[float] = Field(default_factory=lambda: [0.1, 0.9, 1.0])  # CE, L1, confidence
+    num_anchors: int = Field(512, description="anchor positions drawn per row (spec §5)")
+    loss_decay_gamma: float = Field(4.0, description="γ of the per-slot loss decay (spec §5)")
+    loss_weights: list[float] = Field(default_factory=lambda: [0.1, 0.9, 1.0], description="weights of CE, L1 and "
+                                      "the confidence loss")
     # optimisation (spec §6)
-    lr: float = 6e-4
-    weight_decay: float = 0.0
-    betas: list[float] = Field(default_factory=lambda: [0.9, 0.95])
-    adam_eps: float = 1e-8
-    warmup_frac: float = 0.04
-    min_lr_frac: float = 0.0  # cosine decays to lr * min_lr_frac
-    grad_clip: float = 1.0
-    max_steps: int = 0  # optimizer steps = the schedule's length; 0 = `epochs` passes (required with --follow)
-    epochs: int = 1  # passes over the data (training ends at the first of max_steps and epochs); 0 = no limit
-    grad_accum: int = 1  # micro-batches per rank per optimizer step
-    # how an optimizer step weighs its micro-batches (README "The trainer"): "step" = Σ w·term / Σ w over the
-    # whole step (any world size x accumulation equals one big batch); "micro_batch" = each micro-batch by its own
-    # Σ w over ranks, then the mean over the accumulation steps (the reference, DS trainer)
-    loss_normalization: Literal["step", "micro_batch"] = "step"
-    seed: int | None = None  # null = the profile's seed
-    device: str = "auto"  # auto | cpu | cuda
-    dtype: str = "auto"  # draft compute: auto (bf16 on cuda and CPUs with native bf16, else fp32) | float32 | bfloat16
+    lr: float = Field(6e-4, description="AdamW peak learning rate")
+    weight_decay: float = Field(0.0, description="AdamW weight decay")
+    betas: list[float] = Field(default_factory=lambda: [0.9, 0.95], description="AdamW betas")
+    adam_eps: float = Field(1e-8, description="AdamW epsilon")
+    warmup_frac: float = Field(0.04, description="share of the steps in linear warmup")
+    min_lr_frac: float = Field(0.0, description="the cosine decays to lr x min_lr_frac")
+    grad_clip: float = Field(1.0, description="gradient norm clip")
+    max_steps: int = Field(0, description="optimizer steps = the schedule's length; 0 = `epochs` passes (required "
+                           "with --follow)")
+    epochs: int = Field(1, description="passes over the data (training ends at the first of max_steps and epochs); "
+                        "0 = no limit")
+    grad_accum: int = Field(1, description="micro-batches per rank per optimizer step")
+    loss_normalization: Literal["step", "micro_batch"] = Field(
+        "step", description="how an optimizer step weighs its micro-batches: step = Σ w·term / Σ w over the whole "
+        "step (any world size x accumulation equals one big batch); micro_batch = each micro-batch by its own Σ w "
+        "over ranks, then the mean over the accumulation steps (the reference's, DS trainer)")
+    seed: int | None = Field(None, description="the trainer's seed; null = the profile's seed")
+    device: str = Field("auto", description="auto | cpu | cuda")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="the draft's compute dtype; auto = "
+                                                          "bf16 on CUDA and on CPUs with native bf16, else fp32")
     # data feed (regen.train.feed)
-    max_len: int = 4096  # tokens per row (longer rows are truncated)
-    truncate: str = "right"  # right: keep a long row's first max_len tokens (DS); left: keep its last max_len
-    max_tokens: int = 16384  # padded tokens per micro-batch
-    max_batch: int = 8  # rows per micro-batch
-    shuffle_buffer: int = 1024
-    bucket_window: int = 256
-    min_loss_tokens: int = 14
-    heldout_fraction: float = 0.05  # prompts kept out of training for `regen eval` (regen.train.eval.is_heldout)
-    on_bad_shard: str = "error"  # error | skip
-    follow_poll_s: float = 10.0
-    follow_timeout_s: float = 0.0  # 0 = wait for the finished marker without limit
+    max_len: int = Field(4096, description="tokens per row (longer rows are truncated, see truncate)")
+    truncate: Literal["right", "left"] = Field("right", description="right: keep a long row's first max_len tokens "
+                                               "(DS); left: keep its last max_len (the supervised end)")
+    max_tokens: int = Field(16384, description="padded tokens per micro-batch")
+    max_batch: int = Field(8, description="rows per micro-batch")
+    shuffle_buffer: int = Field(1024, description="rows in the feed's shuffle buffer")
+    bucket_window: int = Field(256, description="samples per window sorted by length and cut "
+                               "into micro-batches")
+    min_loss_tokens: int = Field(14, description="rows with fewer supervised tokens after "
+                                 "truncation are left out (spec §5)")
+    heldout_fraction: float = Field(0.05, description="share of prompts kept out of training for `regen eval` "
+                                    "(regen.train.eval.is_heldout)")
+    on_bad_shard: Literal["error", "skip"] = Field("error", description="a shard whose checksum or rows do not match "
+                                                   "its manifest: stop, or leave it out on every rank")
+    follow_poll_s: float = Field(10.0, description="--follow: seconds between looks for new shards")
+    follow_timeout_s: float = Field(0.0, description="--follow: seconds to wait for the finished marker; 0 = no "
+                                    "limit")
     # checkpoints and logs
-    checkpoint_every: int = 500  # steps; a checkpoint is also written at the end
-    keep_checkpoints: int = 2
-    log_every: int = 10
-    log_samples: bool = False  # write train/samples-rank{R}.jsonl: the sample_ids of every step (audit, tests)
+    checkpoint_every: int = Field(500, description="steps between checkpoints; one is also written at the end")
+    keep_checkpoints: int = Field(2, description="checkpoints kept (older ones are removed)")
+    log_every: int = Field(10, description="steps between training log lines")
+    log_samples: bool = Field(False, description="write train/samples-rank{R}.jsonl: the sample_ids of every step "
+                              "(audit, tests)")
     # the main job's last step (`regen run`): `regen eval` of the trained draft against an untrained one
-    eval_prompts: int = 0  # held-out prompts to measure acc_len on after training; 0 = no eval step
-    eval_max_new_tokens: int = 64
+    eval_prompts: int = Field(0, description="`regen run`: held-out prompts to measure acc_len on after training; "
+                              "0 = no eval step")
+    eval_max_new_tokens: int = Field(64, description="`regen run`'s eval: new tokens per prompt")
