@@ -249,6 +249,11 @@ class VllmProducer(Producer):
             pass
         served = {m.get("id"): m for m in models.get("data", [])}
         self.served_name = SERVED_NAME if SERVED_NAME in served else next(iter(served), SERVED_NAME)
+        root = (served.get(self.served_name) or {}).get("root") or ""
+        if Path(root).resolve() != Path(model).resolve() and not (
+                (Path(root) / "config.json").exists() and target_revision(root) == revision):
+            raise InputError(f"the vLLM server at {self.server.url} serves {root!r}, not the trainer's target "
+                             f"{model} (target_revision {revision[:16]}): start it on the same checkpoint")
         self.max_len = a.max_len or int((served.get(self.served_name) or {}).get("max_model_len") or 0)
         st = config["store"]
         self.store = StoreClient(st["master"], segment_bytes=0, local_buffer_bytes=int(st["local_buffer_bytes"]),
@@ -296,8 +301,8 @@ class VllmProducer(Producer):
                     continue
                 r = fut.result()
                 choice = (r.get("choices") or [{}])[0]
-                if choice.get("prompt_token_ids") not in (None, rows[b]):
-                    raise RuntimeError(f"row {b}: vLLM ran other token ids than the lease's")
+                if choice.get("prompt_token_ids") != rows[b]:
+                    raise RuntimeError(f"row {b}: vLLM did not echo the lease's token ids as its prompt")
                 if not (r.get("kv_transfer_params") or {}).get("regen"):
                     raise RuntimeError(f"row {b}: the vLLM server did not capture it: was it started with "
                                        "regen's connector (kv_connector RegenHiddenStatesConnector)?")
