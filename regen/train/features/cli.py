@@ -1,14 +1,15 @@
 """`regen features`: the producer pool's processes, for clusters and for looking at a running pool.
 
     regen features produce --dispatcher http://HOST:PORT [--model DIR] [--device cuda:0]   one producer
+    regen features produce-vllm --dispatcher URL --vllm-python VENV/bin/python             one vLLM producer
     regen features store --bytes 64GiB [--master HOST:PORT | --master local]               a store node
     regen features status --run runs/k3 [--out DIR] | --dispatcher URL                     a pool's status
 
-`produce` is `regen.train.features.producer`. `store` mounts `--bytes` of this machine's memory into a Mooncake
-store (a node that holds feature objects and outlives any trainer); with `--master local` it also starts a
-`mooncake_master` on 127.0.0.1 and prints its address. It prints one JSON line {master, metrics_url, segment} once
-ready and runs until SIGTERM/SIGINT. `status` prints the dispatcher's JSON status (items by state, producers,
-bytes), found through `<train dir>/features/dispatcher.json`.
+`produce` is `regen.train.features.producer`, `produce-vllm` is `regen.train.features.vllm_producer`. `store` mounts
+`--bytes` of this machine's memory into a Mooncake store (a node that holds feature objects and outlives any
+trainer); with `--master local` it also starts a `mooncake_master` on 127.0.0.1 and prints its address. It prints
+one JSON line {master, metrics_url, segment} once ready and runs until SIGTERM/SIGINT. `status` prints the
+dispatcher's JSON status (items by state, producers, bytes), found through `<train dir>/features/dispatcher.json`.
 """
 from __future__ import annotations
 
@@ -23,10 +24,12 @@ from regen.config.units import parse_bytes
 from regen.errors import InputError
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from regen.train.features import producer
+    from regen.train.features import producer, vllm_producer
 
     sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
     producer.add_arguments(sub.add_parser("produce", help="run one feature producer against a dispatcher"))
+    vllm_producer.add_arguments(sub.add_parser("produce-vllm", help="run one producer whose engine is a vLLM "
+                                               "server (extract_hidden_states)"))
     s = sub.add_parser("store", help="mount memory into a Mooncake store (and start a master on loopback)")
     s.add_argument("--bytes", required=True, help="memory to mount, e.g. 64GiB")
     s.add_argument("--master", default="local", help="host:port of a master, or `local` to start one on 127.0.0.1")
@@ -82,8 +85,11 @@ def _status(args) -> int:
 
 
 def main(args) -> int:
-    if args.action == "produce":
-        from regen.train.features.producer import main as produce
+    if args.action in ("produce", "produce-vllm"):
+        if args.action == "produce":
+            from regen.train.features.producer import main as produce
+        else:
+            from regen.train.features.vllm_producer import main as produce
 
         import logging
 

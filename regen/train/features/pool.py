@@ -232,11 +232,14 @@ class FeaturePool:
             threading.Thread(target=self._watch_local, args=(fdir,), name="local-producers", daemon=True).start()
 
     def _watch_local(self, fdir: Path) -> None:
-        """Every local producer exited with an error and none is alive: stop the ranks now, with their logs' last
-        lines, instead of after startup_timeout_s (a producer that cannot load the target exits at once)."""
+        """Every local producer exited with an error before any producer registered: stop the ranks now, with their
+        logs' last lines, instead of after startup_timeout_s (a producer that cannot load the target exits at once).
+        Producers that registered and then died are left to no_producer_timeout_s: another may still register."""
         d = self.dispatcher
         while d is not None and not d.stopping:
             time.sleep(1.0)
+            if d.ever_registered:
+                return  # producers that ran and died: train.producers.no_producer_timeout_s (others may register)
             codes = [p.poll() for p in self.procs]
             if any(c is None or c == 0 for c in codes) or d.live_producers():
                 continue
