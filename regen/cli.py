@@ -32,6 +32,15 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+def command_parser(name: str) -> argparse.ArgumentParser:
+    """The argument parser of `regen <name>` (imports that command's module only). Raises KeyError for a name
+    that is not in COMMANDS. tests/docs/test_docs.py parses the documentation's command lines with it."""
+    module = importlib.import_module(COMMANDS[name][0])
+    parser = argparse.ArgumentParser(prog=f"regen {name}", description=COMMANDS[name][1])
+    module.add_arguments(parser)
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     top = argparse.ArgumentParser(prog="regen", description=__doc__.splitlines()[0])
@@ -43,9 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     name = argv[0]
     module = importlib.import_module(COMMANDS[name][0])
-    parser = argparse.ArgumentParser(prog=f"regen {name}", description=COMMANDS[name][1])
-    module.add_arguments(parser)
-    args = parser.parse_args(argv[1:])
+    args = command_parser(name).parse_args(argv[1:])
     return exit_code(lambda: module.main(args), f"regen {name}")
 
 

@@ -29,6 +29,13 @@ from regen.generate.checks import tool_names
 from regen.config.generate import GenerateConfig
 from schemas.prompt import canonical_json, turn_positions  # noqa: F401 (turn_positions: re-exported)
 
+# `stop_reason` of a row: why its conversation stopped before its last turn (the later turns are `skipped` rows
+# carrying the same reason). TOOL_RESULT_MISMATCH: the regenerated turn's tool calls differ from the recorded
+# ones, so the recorded tool results cannot follow; PREVIOUS_TURN_ERROR: an earlier turn ended as an error row.
+TOOL_RESULT_MISMATCH = "tool_result_mismatch"
+PREVIOUS_TURN_ERROR = "previous_turn_error"
+STOP_REASONS = (TOOL_RESULT_MISMATCH, PREVIOUS_TURN_ERROR)
+
 
 def _recorded(original: list[dict], pos: int) -> dict:
     """The recorded assistant message at `pos`, or {} where the turn is inserted (no recorded answer)."""

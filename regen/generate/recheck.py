@@ -29,7 +29,7 @@ from pathlib import Path
 from regen.config.generate import GenerateConfig
 from regen.generate import ledger as ledger_mod
 from regen.generate.checks import END_MARKER_STRIPPED, QUALITY_KIND, Completion, judge, strip_echoed_end
-from regen.generate.conversation import skipped_key
+from regen.generate.conversation import PREVIOUS_TURN_ERROR, skipped_key
 
 ANSWER_FIELDS = ("content", "reasoning_content", "tool_calls", "prompt_token_ids", "completion_token_ids")
 
@@ -121,5 +121,5 @@ def _skipped(row: dict, stop: dict) -> dict:
     out.update({k: row.get(k) for k in ("prompt_id", "turn", "category", "language", "model", "tools",
                                          "request_params", "finished_at")})
     out.update(request_key=skipped_key(row["prompt_id"], row["turn"], stop["request_key"]), status="skipped",
-               stop_reason="previous_turn_error", attempts=0, flags=[])
+               stop_reason=PREVIOUS_TURN_ERROR, attempts=0, flags=[])
     return out

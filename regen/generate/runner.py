@@ -21,8 +21,9 @@ from regen.generate.checks import (END_MARKER_STRIPPED, NO_PARTIAL, QUALITY_KIND
                                    strip_echoed_end)
 from regen.generate.client import ChatClient, backoff_delay
 from regen.config.generate import GenerateConfig
-from regen.generate.conversation import (fill_missing_call_ids, history_message, next_segment, request_body,
-                                request_config, request_key, skipped_key, tools_from_json, turn_positions)
+from regen.generate.conversation import (PREVIOUS_TURN_ERROR, TOOL_RESULT_MISMATCH, fill_missing_call_ids,
+                                        history_message, next_segment, request_body, request_config, request_key,
+                                        skipped_key, tools_from_json, turn_positions)
 from regen.errors import InputError
 from regen.generate.metrics import Metrics, ProgressLine
 from schemas.messages import message_from_arrow, message_to_arrow
@@ -119,12 +120,12 @@ class Runner:
         last = rows[-1]
         s = len(rows)
         if last["status"] != "ok" or last["stop_reason"]:
-            return Conv(p, positions, s, skip_from=(last["stop_reason"] or "previous_turn_error", last["request_key"]))
+            return Conv(p, positions, s, skip_from=(last["stop_reason"] or PREVIOUS_TURN_ERROR, last["request_key"]))
         assistant = {"content": last["content"], "reasoning_content": last["reasoning_content"],
                      "tool_calls": [dict(tc, function=dict(tc["function"])) for tc in last["tool_calls"] or []] or None}
         seg = next_segment(p["messages"], positions, s - 1, assistant)
         if seg is None:
-            return Conv(p, positions, s, skip_from=("tool_result_mismatch", last["request_key"]))
+            return Conv(p, positions, s, skip_from=(TOOL_RESULT_MISMATCH, last["request_key"]))
         sent = [message_from_arrow(m) for m in last["messages"]]
         return Conv(p, positions, s, history=sent + [history_message(assistant, self.cfg)] + seg)
 
@@ -224,7 +225,7 @@ class Runner:
         for k in range(conv.start, n):
             row, c = await self.generate_turn(p, k, history, tools)
             if row["status"] != "ok":
-                await self._record([row] + self._skipped(p, range(k + 1, n), "previous_turn_error", row["request_key"]))
+                await self._record([row] + self._skipped(p, range(k + 1, n), PREVIOUS_TURN_ERROR, row["request_key"]))
                 return
             assistant = c.assistant_message()
             fill_missing_call_ids(assistant, p["messages"], positions[k])
@@ -234,8 +235,8 @@ class Runner:
                 return
             seg = next_segment(p["messages"], positions, k, assistant)
             if seg is None:
-                row["stop_reason"] = "tool_result_mismatch"
-                await self._record([row] + self._skipped(p, range(k + 1, n), "tool_result_mismatch", row["request_key"]))
+                row["stop_reason"] = TOOL_RESULT_MISMATCH
+                await self._record([row] + self._skipped(p, range(k + 1, n), TOOL_RESULT_MISMATCH, row["request_key"]))
                 return
             await self._record([row])
             history = history + [history_message(assistant, self.cfg)] + seg

@@ -33,10 +33,29 @@ assert array("i").itemsize == 4, "array('i') must be int32 for shard ids"
 KIMI_TEMPLATE_KWARGS = ("thinking", "thinking_effort", "tool_choice", "response_format")
 
 
+# The `filter` of every reject this module raises (the response filters, `filters.response.RESPONSE_FILTERS`, write
+# the others of `rejected/render/`); each has its remedy on docs/errors.md (tests/docs/test_docs.py checks it).
+REJECT_FILTERS = (
+    "parse",            # a conversation unfit for a training row; the reason starts with one of MESSAGE_CODES
+    "render",           # the renderer raised; the reason starts with its code (RENDER_REASONS or the error's type)
+    "drift",            # rendered prompt ids differ from the server's prompt_token_ids (render.on_drift: drop)
+    "over_long",        # more than render.max_tokens after rendering (and, with overlong: cut, no turn fits)
+    "zero_mask",        # no supervised token in the row
+    "min_loss_tokens",  # fewer supervised tokens than render.min_loss_tokens
+    "text_after_end",   # text or an end-of-turn id past the end of the turn (regen.render.guards)
+    "control_tokens",   # a control-token string in message text that the tokenizer would parse (guards)
+)
+# The code at the start of a `parse` reject's reason (`check_messages`)
+MESSAGE_CODES = ("unknown_role", "unknown_content_part", "role_order", "tool_result_without_call", "bad_arguments",
+                 "no_reasoning", "bad_message")
+
+
 class Reject(Exception):
-    """A row that is not written: `filter` names the check, `reason` says why (for rejected/render)."""
+    """A row that is not written: `filter` (one of REJECT_FILTERS) names the check, `reason` says why (for
+    rejected/render)."""
 
     def __init__(self, filter: str, reason: str, score: float | None = None):
+        assert filter in REJECT_FILTERS, f"Reject filter {filter!r} is not in REJECT_FILTERS"
         super().__init__(f"{filter}: {reason}")
         self.filter, self.reason, self.score = filter, reason, score
 
@@ -90,6 +109,7 @@ def check_messages(messages: list[dict], *, part_types: list[str], require_reaso
     bad_message. The last message is the generated assistant turn."""
 
     def bad(code: str, i: int, text: str):
+        assert code in MESSAGE_CODES, code
         raise Reject("parse", f"{code}: messages[{i}]: {text}")
 
     open_calls: list[str | None] | None = None  # call ids of the last assistant's tool_calls awaiting results

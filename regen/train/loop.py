@@ -75,7 +75,7 @@ def main(args) -> int:
 def native_bf16(cpuinfo: str | None = None) -> bool:
     """True when this CPU computes bf16 matmuls natively: x86 `avx512_bf16` or `amx_bf16`, Arm `bf16` (the flags
     of /proc/cpuinfo). Without them torch emulates bf16 on CPU, about 10x slower than fp32 (2-core AVX2 EPYC:
-    14.7 s against 1.4 s per step of the local profile; README "The trainer")."""
+    14.7 s against 1.4 s per step of the local profile; docs/benchmarks.md)."""
     if cpuinfo is None:
         try:
             cpuinfo = open("/proc/cpuinfo").read()
@@ -561,11 +561,17 @@ def _fmt(x) -> str:
     return "n/a" if x is None else f"{x:.2f}"
 
 
+def script_parser() -> argparse.ArgumentParser:
+    """The command line of `python -m regen.train` / `torchrun ... -m regen.train -- ...` (`regen train`'s)."""
+    p = argparse.ArgumentParser(prog="regen train")
+    add_arguments(p)
+    return p
+
+
 def script_main(argv: list[str] | None = None) -> int:
     """`python -m regen.train` / `torchrun -m regen.train -- ...` (see `regen.train.__main__`)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    p = argparse.ArgumentParser(prog="regen train")
-    add_arguments(p)
+    p = script_parser()
     from regen.errors import exit_code
 
     return exit_code(lambda: main(p.parse_args(argv)), "regen train")

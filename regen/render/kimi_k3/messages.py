@@ -5,15 +5,18 @@ from __future__ import annotations
 import json
 
 KNOWN_ROLES = ("system", "user", "assistant", "tool")
+# RenderError.reason: the code a `render` reject's reason starts with (docs/errors.md says what each means)
+RENDER_REASONS = ("role_order", "tool_result_without_call", "bad_arguments", "unknown_content_part", "unknown_role",
+                  "bad_message", "bad_option")
 
 
 class RenderError(ValueError):
     """A conversation that cannot be rendered as a training row. `reason` is a short code for `rejected/`
-    (role_order, tool_result_without_call, bad_arguments, unknown_content_part, unknown_role, bad_message,
-    bad_option); `index` is the offending position in `messages` (None for an option). The message names both
+    (one of RENDER_REASONS); `index` is the offending position in `messages` (None for an option). The message names both
     and the fix."""
 
     def __init__(self, reason: str, detail: str, index: int | None = None):
+        assert reason in RENDER_REASONS, f"RenderError reason {reason!r} is not in RENDER_REASONS"
         where = f"messages[{index}]: " if index is not None else ""
         super().__init__(f"{where}{detail}")
         self.reason, self.detail, self.index = reason, detail, index
