@@ -18,7 +18,7 @@ spec §7) for:
 and, for slot 1's queries, the attention mass by distance d = a − j to context position j (summed over heads'
 mean, each layer), the mass on the block's own slots, and the uniform mass 1/(visible positions), averaged over
 blocks. A draft whose slot-1 attention is flat and whose `draft` barely beats `markov` has learned a bigram, not
-to read the target's features (README "The trainer": what the demo's budget reaches).
+to read the target's features (docs/benchmarks.md: the training budget of the local profile).
 
 Rows: `<run>/shards` cut as the trainer cuts them (`train.max_len`, `train.truncate`), the held-out prompts of
 `train.heldout_fraction` (`--split heldout`, the prompts `regen eval` measures) or the training ones. Writes the

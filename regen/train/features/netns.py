@@ -48,7 +48,7 @@ def loopback_only(cmd: list[str]) -> list[str] | None:
 
 def should_isolate(cfg) -> bool:
     """True for a one-machine producer run that is not already isolated and not one rank of torchrun's (its ranks
-    must share a namespace: wrap torchrun itself, README "Training at scale")."""
+    must share a namespace: wrap torchrun itself, docs/train.md, "Training at scale")."""
     return (cfg.features == "producers" and cfg.producers.store.master == "local"
             and os.environ.get(ENV_FLAG) != "1" and "TORCHELASTIC_RUN_ID" not in os.environ
             and int(os.environ.get("WORLD_SIZE", "1")) == 1)

@@ -1,5 +1,5 @@
 """`regen plan`'s training-side figures for target features: bytes, store memory, target memory per rank, and
-how many producer GPUs keep the trainer GPUs busy (`train.features`, README "Training at scale").
+how many producer GPUs keep the trainer GPUs busy (`train.features`, docs/train.md, "Training at scale").
 
 Formulas (printed with the figures; `assumed` marks what no command here measured):
   feature bytes / token  = (taps + 1) x H_target x dtype bytes  (the taps and the last hidden state, per token)
