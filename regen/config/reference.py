@@ -6,7 +6,7 @@ its allowed values (a `Literal` type, or `json_schema_extra={"allowed": ...}` be
 `Field(description=...)`. The environment variables are found by scanning the bundled profiles for `${NAME}` and
 their `generate.api_key_env` values; each needs a line in `ENVIRONMENT`.
 
-    regen config --markdown > docs/configuration.md      # the page; tests/foundation/test_docs.py compares it
+    regen config --markdown > docs/configuration.md      # the page; tests/docs/test_docs.py compares it
     regen config --profile kimi-k3 --set train.lr=1e-4   # the validated profile, defaults filled in
 """
 from __future__ import annotations
@@ -190,7 +190,7 @@ def markdown() -> str:
         "```",
         "",
         "Generated from the typed configs in `regen/config/` (their `Field(description=...)`) and the bundled "
-        "profiles in `data/profiles/` by `regen config --markdown`; `tests/foundation/test_docs.py` fails when this "
+        "profiles in `data/profiles/` by `regen config --markdown`; `tests/docs/test_docs.py` fails when this "
         "page and the code disagree. Do not edit it by hand.",
         "",
         "A profile is one YAML file; every stage takes `--profile NAME` (a name in `data/profiles/` or a path) and "
