@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/render.py [--quick] [--rows N] [--renderer kimi-k3|hf] [--tokenizer DIR]
 
-Rows: N generation rows built from the bundled prompt texts (`/work/shared/data/prompts`: English, Chinese,
+Rows: N generation rows built from the bundled prompt texts (`data/pool`: English, Chinese,
 code, tool schemas), deterministic (seed 0): a user prompt, long reasoning, an answer, some with history and
 tool calls; as dicts, the way `regen.render.stage` reads them from `generations/part-*.parquet`.
 
@@ -38,7 +38,7 @@ from pathlib import Path  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "render"))
-PROMPTS = ROOT.parent / "shared" / "data" / "prompts"
+PROMPTS = ROOT / "data" / "pool"
 
 
 def corpus(limit_chars: int = 3_000_000) -> list[str]:

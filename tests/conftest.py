@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-SHARED_PROMPTS = (REPO_ROOT.parent / "shared" / "data" / "prompts").resolve()
+POOL = REPO_ROOT / "data" / "pool"
 
 
 @pytest.fixture(scope="session")
@@ -15,8 +15,6 @@ def repo_root() -> Path:
 
 
 @pytest.fixture(scope="session")
-def shared_prompts() -> Path:
-    """`../shared/data/prompts` (present locally and in CI); tests that need it skip loudly without it."""
-    if not SHARED_PROMPTS.is_dir():
-        pytest.fail(f"{SHARED_PROMPTS} not found: tests need the shared prompt sets beside the repository")
-    return SHARED_PROMPTS
+def pool_dir() -> Path:
+    """`data/pool`: the first rows of every file of the public prompt sets (its SOURCES.md), in the repository."""
+    return POOL

@@ -6,24 +6,11 @@ import socket
 
 import pytest
 
-from regen.config import REPO_ROOT, load_profile
+from regen.config import REPO_ROOT
 from regen.testing.openai_server import ServerThread, Settings
 
 KEY = "sk-preflight-good-key"
 MODEL = "moonshotai/Kimi-K3"
-
-
-def contamination_overrides() -> dict:
-    """The profile's `../shared/data/prompts/X` lists, mapped to the bundled copies `data/prompts/X` where the
-    shared folder is not beside this checkout (a worktree); entries without a bundled copy are left out."""
-    raw = load_profile("kimi-k3").select.contamination_files
-    out = []
-    for f in raw:
-        if (REPO_ROOT / f).exists():
-            out.append(f)
-        elif (REPO_ROOT / "data" / "prompts" / f.rsplit("/", 1)[-1]).exists():
-            out.append("data/prompts/" + f.rsplit("/", 1)[-1])
-    return {"select.contamination_files": out}
 
 
 def closed_port_url() -> str:

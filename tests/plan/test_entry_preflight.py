@@ -8,7 +8,7 @@ import logging
 
 import pyarrow as pa
 import pytest
-from conftest import KEY, MODEL, closed_port_url, contamination_overrides
+from conftest import KEY, MODEL, closed_port_url
 
 from regen import cli
 from regen.config import load_profile
@@ -81,7 +81,7 @@ def test_regen_generate_refuses_a_wrong_key_and_an_unreachable_endpoint(server, 
 
 def test_plan_pilot_refuses_before_its_first_request(other_model, k3_env, tmp_path):
     profile = load_profile("kimi-k3", {"generate.endpoints": [other_model.base_url], "select.total": 24,
-                                       "train.enabled": False, **contamination_overrides()})
+                                       "train.enabled": False})
     with pytest.raises(PreflightError) as exc:
         build_plan(profile, RunDir.at(tmp_path / "run"), pilot=4, log=lambda *_: None)
     assert any("not generate.model" in p for p in exc.value.problems)

@@ -6,7 +6,7 @@ import json
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import MODEL, contamination_overrides
+from conftest import MODEL
 
 from regen import cli
 from regen.config import load_profile
@@ -26,8 +26,7 @@ def test_kimi_k3_plans_without_a_request(k3_env, monkeypatch, tmp_path, capsys):
     for var in ("REGEN_API_KEY", "KIMI_K3_MODEL", "REGEN_ENDPOINTS"):
         monkeypatch.delenv(var, raising=False)
     run = tmp_path / "run"
-    sets = [x for v in contamination_overrides().values() for x in ("--set", f"select.contamination_files={v}")]
-    rc = cli.main(["plan", "--profile", "kimi-k3", "--run", str(run), *sets, "--world-size", "8"])
+    rc = cli.main(["plan", "--profile", "kimi-k3", "--run", str(run), "--world-size", "8"])
     out = capsys.readouterr().out
     assert rc == 0, out
     plan = json.loads((run / "plan.json").read_text())
@@ -77,7 +76,7 @@ def long_answers():
 
 def test_plan_within_10_percent_of_a_small_real_run(long_answers, k3_env, tmp_path):
     over = {"generate.endpoints": [long_answers.base_url], "select.total": 40, "train.enabled": False,
-            "generate.max_tokens": 1024, **contamination_overrides()}
+            "generate.max_tokens": 1024}
     profile = load_profile("kimi-k3", over)
     run = RunDir.at(tmp_path / "run")
     plan = build_plan(profile, run, pilot=24, log=quiet)

@@ -3,7 +3,7 @@ before any request, listing every problem at once. The kimi-k3 profile against t
 from __future__ import annotations
 
 import pytest
-from conftest import MODEL, closed_port_url, contamination_overrides
+from conftest import MODEL, closed_port_url
 
 from regen import cli
 from regen.config import load_profile
@@ -13,8 +13,7 @@ from regen.rundir import RunDir
 
 
 def profile_for(url: str, **extra):
-    return load_profile("kimi-k3", {"generate.endpoints": [url], "select.total": 24, **contamination_overrides(),
-                                    **extra})
+    return load_profile("kimi-k3", {"generate.endpoints": [url], "select.total": 24, **extra})
 
 
 def chat_requests(server) -> list:
@@ -84,7 +83,6 @@ def test_cli_run_prints_every_problem_without_a_traceback(server, k3_env, monkey
     monkeypatch.delenv("KIMI_K3_TOKENIZER")
     monkeypatch.setenv("REGEN_API_KEY", "sk-wrong")
     sets = [f"generate.endpoints=[{server.base_url}]", "select.total=24"]
-    sets += [f"select.contamination_files={v}" for v in contamination_overrides().values()]
     argv = ["run", "--profile", "kimi-k3", "--run", str(tmp_path / "run"), "--no-progress"]
     rc = cli.main(argv + [x for s in sets for x in ("--set", s)])
     err = capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""Fixtures of the selection tests: one selection of the whole shared pool per session, run directories."""
+"""Fixtures of the selection tests: one selection of the whole pool sample (data/pool) per session."""
 from __future__ import annotations
 
 import pytest
@@ -9,13 +9,13 @@ from regen.select.stage import run_select
 
 
 @pytest.fixture(scope="session")
-def shared_profile(shared_prompts):
+def shared_profile(pool_dir):
     return load_profile("shared-prompts")
 
 
 @pytest.fixture(scope="session")
 def shared_run(shared_profile, tmp_path_factory):
-    """(RunDir, manifest) of `shared-prompts`: every file of ../shared/data/prompts selected once per session."""
+    """(RunDir, manifest) of `shared-prompts`: every file of data/pool selected once per session."""
     run = RunDir.at(tmp_path_factory.mktemp("shared-run"))
     manifest = run_select(shared_profile.select, run, seed=shared_profile.seed, progress=False)
     return run, manifest

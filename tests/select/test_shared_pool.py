@@ -1,8 +1,10 @@
-"""The whole of ../shared/data/prompts through `regen select`: no crash, exact accounting, mix, queries."""
+"""Every file of the public prompt sets (the sample in data/pool) through `regen select`: no crash, exact
+accounting, mix, queries."""
 from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -22,11 +24,17 @@ def _data_files(root: Path) -> set[str]:
     return out
 
 
-def test_every_shared_file_is_read_and_accounting_closes(shared_run, shared_prompts):
+def _rows_listed(pool: Path) -> dict[str, int]:
+    """Rows kept per file as data/pool/SOURCES.md lists them (written by data/pool/build.py)."""
+    text = (pool / "SOURCES.md").read_text(encoding="utf-8")
+    return {m[1]: int(m[2]) for m in re.finditer(r"^\| `([^`]+)` \| (\d+) / \d+ \|", text, re.M)}
+
+
+def test_every_shared_file_is_read_and_accounting_closes(shared_run, pool_dir):
     run, manifest = shared_run
     files = manifest["accounting"]["files"]
-    # compared resolved: ../shared may be a symbolic link, and the manifest names files by the profile's path
-    assert {str(Path(f).resolve()) for f in files} == _data_files(shared_prompts.resolve())
+    # compared resolved: the manifest names files by the profile's path
+    assert {str(Path(f).resolve()) for f in files} == _data_files(pool_dir.resolve())
     for name, a in files.items():
         assert a["input_rows"] == a["selected"] + a["rejected"] + a["not_selected"], name
         assert a["input_rows"] > 0, name
@@ -38,14 +46,17 @@ def test_every_shared_file_is_read_and_accounting_closes(shared_run, shared_prom
     for name, a in files.items():
         assert rejected.get(name, 0) == a["rejected"], name
         assert chosen.get(name, 0) == a["selected"], name
-    # row counts from SOURCES.md (22,869 kept) minus the files kept aside (vicuna 80, oasst 250,
-    # reason_tool_use 50, MT-Bench nl/ta/th 240)
-    assert manifest["accounting"]["totals"]["input_rows"] == 22_249
+    # row counts from data/pool/SOURCES.md, file by file (116 files, 1,508 rows)
+    listed = _rows_listed(pool_dir)
+    assert len(listed) == len(files) == 116
+    assert {str((pool_dir / k).resolve()): v for k, v in listed.items()} == {
+        str(Path(f).resolve()): a["input_rows"] for f, a in files.items()}
+    assert manifest["accounting"]["totals"]["input_rows"] == sum(listed.values()) == 1_508
 
 
 def test_mix_within_one_point_and_schema(shared_run):
     run, manifest = shared_run
-    assert manifest["num_prompts"] == manifest["num_requested"] == 6000
+    assert manifest["num_prompts"] == manifest["num_requested"] == 250
     for c in CATEGORIES:
         m = manifest["mix"][c]
         assert abs(m["share_selected"] - m["share_requested"]) <= 0.01, (c, m)
@@ -54,7 +65,7 @@ def test_mix_within_one_point_and_schema(shared_run):
         assert t.schema.equals(PROMPT_SCHEMA, check_metadata=False)
         assert t.schema.metadata[b"schema_version"] == b"2"  # v2: original_answers
     ids = query(run.root, "SELECT count(DISTINCT prompt_id), count(*) FROM prompts")[1][0]
-    assert ids[0] == ids[1] == 6000
+    assert ids[0] == ids[1] == 250
 
 
 def test_every_reject_has_filter_and_reason(shared_run):
@@ -74,7 +85,7 @@ def test_every_reject_has_filter_and_reason(shared_run):
 def test_shapes_and_labels_in_the_selection(shared_run):
     run, _ = shared_run
     rows = dict(query(run.root, "SELECT source, count(*) FROM prompts GROUP BY 1")[1])
-    assert {"bfcl", "glaive_toolcall", "mt_bench", "mgsm", "gaokao", "bbh"} <= set(rows)
+    assert {"bfcl", "mt_bench", "mgsm", "gaokao", "bbh"} <= set(rows)  # 250 of 1,508: glaive (tool_use) may miss
     # MGSM: zh -> chinese, other non-English -> multilingual, English stays reasoning
     cats = dict(query(run.root, "SELECT language, any_value(category) FROM prompts WHERE source = 'mgsm' "
                                 "AND language IN ('zh', 'en') GROUP BY 1")[1])
@@ -93,7 +104,7 @@ def test_query_cli_table_and_json(shared_run, capsys):
                      "SELECT category, count(*) AS n FROM prompts GROUP BY 1 ORDER BY 1"]) == 0
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert [x["category"] for x in lines] == sorted(CATEGORIES)
-    assert sum(x["n"] for x in lines) == 6000
+    assert sum(x["n"] for x in lines) == 250
     assert cli_main(["query", "--run", str(run.root), "SELECT stage, filter, count(*) FROM rejected GROUP BY 1, 2"]) == 0
     assert "near_dedup" in capsys.readouterr().out
     assert (run.root / "views.sql").exists()
