@@ -53,6 +53,7 @@ import numpy as np
 
 from regen.config import Profile, resolve_path
 from regen.errors import InputError
+from regen.report.cells import cell_plan, mode_factor, out_tokens, print_cells, set_template_kwargs
 from regen.train.features.plan import feature_plan
 from regen.preflight import PreflightError, check_profile, effective_render_config
 from regen.rundir import RunDir
@@ -106,7 +107,7 @@ def render_units(renderer, render_cfg, prompts: list[dict]) -> dict:
         for turn in range(len(p["positions"])):
             try:
                 side, history = sample_prompt_side(renderer, history_messages(p, turn), p["tool_list"],
-                                                   render_cfg.template_kwargs)
+                                                   p.get("template_kwargs", render_cfg.template_kwargs))
             except ValueError:
                 errors += 1
                 continue
@@ -114,10 +115,10 @@ def render_units(renderer, render_cfg, prompts: list[dict]) -> dict:
     return {"fixed": fixed, "errors": errors}
 
 
-def stratum(category: str, turn: int) -> str:
+def stratum(category: str, turn: int, mode: str | None = None) -> str:
     """Rates are measured and applied per category and turn kind: a conversation's first turn, or a later one
-    (later turns carry the regenerated history)."""
-    return f"{category}/{'first' if turn == 0 else 'later'}"
+    (later turns carry the regenerated history); and per generation mode where the selection has modes."""
+    return f"{category}/{'first' if turn == 0 else 'later'}" + (f"/{mode}" if mode else "")
 
 
 def turn_kind(p: dict, turn: int) -> str:
@@ -207,11 +208,13 @@ def run_pilot(profile: Profile, run: RunDir, chosen: list[dict], log=print) -> t
     shards = pipeline.step_render(render, pilot, progress=False)
     gen_rows = pq.read_table(sorted(pilot.generations.glob("part-*.parquet")),
                              columns=["prompt_id", "category", "turn", "status", "attempts",
-                                      "num_completion_tokens"]).to_pylist()
+                                      "num_completion_tokens", "mode"]).to_pylist()
     files = [pilot.shards / s["path"] for s in shards.get("shards", [])]
     full_rows = pq.read_table(files).to_pylist() if files else []
+    mode_of = {p["prompt_id"]: p.get("mode") for p in chosen}
     shard_rows = [{"prompt_id": r["prompt_id"], "category": r["category"], "turn": r["turn"],
-                   "prompt_side": r["num_tokens"] - r["num_loss_tokens"], "supervised": r["num_loss_tokens"]}
+                   "mode": mode_of.get(r["prompt_id"]), "prompt_side": r["num_tokens"] - r["num_loss_tokens"],
+                   "supervised": r["num_loss_tokens"]}
                   for r in full_rows]
     empty, marginal = shard_bytes_model(full_rows, pilot.root / "bytes-model") if full_rows else (0.0, 0.0)
     acc = gen["accounting"]
@@ -245,12 +248,12 @@ def pilot_rates(measured: dict, gen_rows: list[dict], shard_rows: list[dict], fi
     zero = dict(requested=0, attempts=0, output_tokens=0, rows=0, prompt_side=0, supervised=0, estimate=0)
     for r in gen_rows:
         if r["status"] != "skipped":
-            c = m.setdefault(stratum(r["category"], r["turn"]), dict(zero))
+            c = m.setdefault(stratum(r["category"], r["turn"], r["mode"]), dict(zero))
             c["requested"] += 1
             c["attempts"] += r["attempts"] or 0
             c["output_tokens"] += (r["num_completion_tokens"] or 0) if r["status"] == "ok" else 0
     for r in shard_rows:
-        c = m.setdefault(stratum(r["category"], r["turn"]), dict(zero))
+        c = m.setdefault(stratum(r["category"], r["turn"], r["mode"]), dict(zero))
         c["rows"] += 1
         c["prompt_side"] += r["prompt_side"]
         c["supervised"] += r["supervised"]
@@ -259,8 +262,8 @@ def pilot_rates(measured: dict, gen_rows: list[dict], shard_rows: list[dict], fi
     for r in shard_rows:
         if (r["prompt_id"], r["turn"]) in fixed:
             est = fixed[(r["prompt_id"], r["turn"])] + sum(
-                per_row.get(stratum(r["category"], i), per_row.get("pooled", 0)) for i in range(r["turn"]))
-            m[stratum(r["category"], r["turn"])]["estimate"] += est
+                per_row.get(stratum(r["category"], i, r["mode"]), per_row.get("pooled", 0)) for i in range(r["turn"]))
+            m[stratum(r["category"], r["turn"], r["mode"])]["estimate"] += est
             m["pooled"]["estimate"] += est
     measured["by_stratum"] = m
     return {k: dict(requests=c["attempts"] / max(1, c["requested"]), output=c["output_tokens"] / max(1, c["requested"]),
@@ -362,11 +365,6 @@ def assumptions(profile: Profile, flags: dict) -> dict:
     return a
 
 
-def out_tokens(a: dict, category: str) -> float:
-    """The assumed output tokens per unit of `category` (`plan.output_tokens`, else its `default`)."""
-    return a["output_tokens"].get(category, a["output_tokens"].get("default", 0))
-
-
 def build_plan(profile: Profile, run: RunDir, *, pilot: int = 0, sample: int = 2000, flags: dict | None = None,
                log=print) -> dict:
     """The plan of `profile` on `run` (see the module doc); writes `<run>/plan.json` and returns it.
@@ -392,6 +390,7 @@ def build_plan(profile: Profile, run: RunDir, *, pilot: int = 0, sample: int = 2
     from regen.render.stage import make_renderer
 
     renderer = make_renderer(render_cfg)
+    set_template_kwargs(prompts, profile.generate, render_cfg, renderer.name)  # each prompt's mode (plan_cells)
     sampled = sorted(prompts, key=lambda p: _rank(profile.seed, p["prompt_id"]))[:sample]
     rendered = render_units(renderer, render_cfg, sampled)
     fixed = rendered["fixed"]
@@ -411,11 +410,11 @@ def build_plan(profile: Profile, run: RunDir, *, pilot: int = 0, sample: int = 2
         rates = pilot_rates(measured, gen_rows, shard_rows, render_units(renderer, render_cfg, chosen)["fixed"])
         go_on_counts = continuation_rates({p["prompt_id"]: p for p in chosen}, gen_rows)
         bpt, file_bytes = measured["shard_bytes_per_token"], measured["shard_file_bytes"]
-    else:
-        src = "assumed (profile plan:)"
-        rates = {stratum(c, t): dict(requests=a["requests_per_unit"], output=out_tokens(a, c), keep=a["keep_fraction"],
-                                     supervised_per_row=out_tokens(a, c), prompt_ratio=1.0)
-                 for c in cats for t in (0, 1)}
+    else:  # a unit's output: its category's assumption x its mode's factor (regen.report.cells)
+        src, f = "assumed (profile plan:)", {(p["category"], p.get("mode")) for p in prompts}
+        rates = {stratum(c, t, m): dict(requests=a["requests_per_unit"], output=out_tokens(a, c) * mode_factor(a, m),
+                                        keep=a["keep_fraction"], supervised_per_row=out_tokens(a, c) * mode_factor(a, m),
+                                        prompt_ratio=1.0) for c, m in f for t in (0, 1)}
         bpt, file_bytes = a["shard_bytes_per_token"], 0.0
     pooled = rates.get("pooled") or next(iter(rates.values()))
     turns_with_next = sum(c["turns"] for c in go_on_counts.values())
@@ -435,15 +434,15 @@ def build_plan(profile: Profile, run: RunDir, *, pilot: int = 0, sample: int = 2
     estimates: list[float] = []
     for p in prompts:
         probs = reach(p, go_on)
-        cat = p["category"]
+        cat, mode = p["category"], p.get("mode")
         for turn, prob in enumerate(probs):
-            s = strata.setdefault(stratum(cat, turn), dict(units=0, requested=0.0, weight=0.0, side=0.0, overlong=0.0))
+            s = strata.setdefault(stratum(cat, turn, mode), dict(units=0, requested=0.0, weight=0.0, side=0.0, overlong=0.0))
             s["units"] += 1
             s["requested"] += prob
             if (p["prompt_id"], turn) not in fixed:
                 continue
-            est = (fixed[(p["prompt_id"], turn)] + sum(rate(stratum(cat, i))["supervised_per_row"] for i in range(turn)))
-            est *= rate(stratum(cat, turn))["prompt_ratio"]
+            est = (fixed[(p["prompt_id"], turn)] + sum(rate(stratum(cat, i, mode))["supervised_per_row"] for i in range(turn)))
+            est *= rate(stratum(cat, turn, mode))["prompt_ratio"]
             estimates.append(est)
             s["weight"] += prob
             s["side"] += prob * est
@@ -511,7 +510,7 @@ def build_plan(profile: Profile, run: RunDir, *, pilot: int = 0, sample: int = 2
                        "prompt_side_mean": round(s["side_mean"], 1), **{n: round(v, 4) for n, v in s["rate"].items()}}
                    for k, s in sorted(strata.items())},
         "assumptions": a, "pilot": measured, "preflight_problems": rep.problems,
-    }
+        "cells": cell_plan(prompts, scale, a)}
     write_json_atomic(plan, run.root / "plan.json")
     return plan
 
@@ -564,6 +563,7 @@ def print_plan(plan: dict) -> None:
 
         rows += feature_rows(plan["features"])
     print_table(["figure", "value", "how"], rows, title="plan")
+    print_cells(plan.get("cells") or {})
     for p in plan["preflight_problems"]:
         print(f"preflight (would stop `regen run`): {p}")
     if plan["assumptions"].get("note"):

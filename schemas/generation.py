@@ -3,6 +3,9 @@
 `turn` is the 0-based index of the assistant turn being generated within the conversation. `messages` is the
 exact request history sent for that turn (earlier turns already replaced by their regenerations), so a row is
 self-contained for rendering. Written by `regen generate` to `runs/<name>/generations/part-*.parquet`.
+
+Schema versions: 1 the first; 2 adds `length_band` and `mode`, copied from the prompt (PROMPT_SCHEMA v3), null
+in rows of older runs and of prompts without them.
 """
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ import pyarrow as pa
 
 from schemas.messages import MESSAGE_TYPE, TOOL_CALL_TYPE
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 STATUSES = ("ok", "error", "skipped")
 
@@ -44,6 +47,8 @@ GENERATION_SCHEMA = pa.schema(
         ("ttft_s", pa.float64()),  # time to first byte/chunk, seconds, last attempt
         ("attempts", pa.int32()),
         ("finished_at", pa.timestamp("ms", tz="UTC")),
+        ("length_band", pa.string()),  # v2: the prompt's input-length band (select.length_bands)
+        ("mode", pa.string()),  # v2: the prompt's generation mode (generate.modes.<mode>), null: the section's
     ],
     metadata={"schema": "regen.generation", "schema_version": str(SCHEMA_VERSION)},
 )

@@ -10,6 +10,9 @@ Schema versions:
      Null when the source has no answer for one of those positions. Recorded assistant messages inside
      `messages` are originals already, so a prompt "has an original" exactly when the column is not null.
      Readers of version-1 files treat the missing column as all null (`original_answers_of`).
+  3  adds `length_band` (the input-length band of `num_prompt_tokens`, `select.length_bands`; null without
+     bands) and `mode` (the generation mode, `select.modes`; null without modes: the generate section's
+     settings). Readers of older files treat both as null.
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ import pyarrow as pa
 
 from schemas.messages import MESSAGE_TYPE, message_to_arrow
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 CATEGORIES = ("general", "reasoning", "coding", "tool_use", "chinese", "multilingual")
 
@@ -40,6 +43,8 @@ PROMPT_SCHEMA = pa.schema(
         ("tools_inferred", pa.bool_()),  # tools inferred from the row's calls (no declaration in the source)
         # v2: the source's answers, one assistant message per turn position without a recorded one; or null
         ("original_answers", pa.list_(MESSAGE_TYPE)),
+        ("length_band", pa.string()),  # v3: input-length band of num_prompt_tokens, e.g. "2K-8K"; null: no bands
+        ("mode", pa.string()),  # v3: generation mode (generate.modes.<mode>); null: the generate section's settings
     ],
     metadata={"schema": "regen.prompt", "schema_version": str(SCHEMA_VERSION)},
 )
@@ -109,6 +114,8 @@ class PromptRecord:
     num_prompt_tokens: int = 0
     tools_inferred: bool = False
     original_answers: list[dict] | None = None
+    length_band: str | None = None
+    mode: str | None = None
 
     def to_arrow_row(self) -> dict:
         return {
@@ -125,4 +132,6 @@ class PromptRecord:
             "tools_inferred": self.tools_inferred,
             "original_answers": ([message_to_arrow(m) for m in self.original_answers]
                                  if self.original_answers is not None else None),
+            "length_band": self.length_band,
+            "mode": self.mode,
         }

@@ -10,7 +10,7 @@ import argparse
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from regen.config.generate import GenerateConfig
 from regen.config.plan import PlanConfig
@@ -43,6 +43,15 @@ class Profile(BaseModel):
     train: TrainConfig = Field(default_factory=TrainConfig, description="`regen train` and `regen eval`: target, "
                                "draft, objective, optimisation, feed")
     plan: PlanConfig = Field(default_factory=PlanConfig, description="stated assumptions of `regen plan`")
+
+    @model_validator(mode="after")
+    def _modes_agree(self):
+        """`select.modes` (the shares) and `generate.modes` (the settings) name the same modes."""
+        chosen, defined = set(self.select.modes), set(self.generate.modes)
+        if chosen != defined:
+            raise ValueError(f"select.modes {sorted(chosen)} and generate.modes {sorted(defined)} must name the same "
+                             "modes: every mode selected needs its request settings, every mode defined a share")
+        return self
 
 
 def profile_path(name_or_path: str) -> Path:

@@ -114,6 +114,21 @@ class ConcurrencyConfig(BaseModel):
         return self
 
 
+class ModeConfig(BaseModel):
+    """One generation mode (`generate.modes.<name>`): the request settings of the prompts `regen select` gave that
+    mode (`select.modes`). Fields left out keep the generate section's value; `extra_body` keys replace its keys
+    (e.g. `{thinking: false, thinking_effort: null}`, `{thinking_effort: low}`, `{chat_template_kwargs:
+    {enable_thinking: false}}`); a key set to null is removed from the request."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    temperature: float | None = Field(None, description="sampling temperature of this mode's requests")
+    top_p: float | None = Field(None, description="nucleus top-p of this mode's requests")
+    max_tokens: int | None = Field(None, description="`max_tokens` of a first attempt in this mode")
+    extra_body: dict = Field(default_factory=dict, description="keys merged over `generate.extra_body` (a key "
+                             "given here replaces the section's; a key set to null removes it)")
+
+
 class GenerateConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -162,6 +177,9 @@ class GenerateConfig(BaseModel):
     part_interval_s: float = Field(300.0, description="... or a part at least this often, seconds")
     queue_size: int = Field(0, description="conversations queued ahead of the workers; 0 = 2 x max_in_flight")
     ray_actors: int = Field(0, description="with `--ray`: the number of actors; 0 = one per alive node")
+    modes: dict[str, ModeConfig] = Field(default_factory=dict, description="generation mode -> its request settings "
+                                         "(`generate.modes.<name>.*`); a prompt's `mode` column (select.modes) "
+                                         "picks one; {} = every prompt with the section's settings")
 
     @field_validator("policies")
     @classmethod
@@ -200,6 +218,24 @@ class GenerateConfig(BaseModel):
         if self.max_in_flight == "auto":
             return max(1, num_endpoints) * self.concurrency.max
         return self.max_in_flight
+
+    def for_mode(self, mode: str | None) -> "GenerateConfig":
+        """This config with mode `mode`'s settings applied (`ModeConfig`); itself for None or a profile without
+        modes. InputError for a mode the profile does not define (a selection made under other modes)."""
+        if mode is None or not self.modes:
+            return self
+        m = self.modes.get(mode)
+        if m is None:
+            from regen.errors import InputError
+
+            raise InputError(f"a prompt has generation mode {mode!r}, which generate.modes does not define "
+                             f"({sorted(self.modes)}): add it to generate.modes, or select again with the "
+                             "profile's select.modes")
+        update = {k: v for k, v in (("temperature", m.temperature), ("top_p", m.top_p),
+                                    ("max_tokens", m.max_tokens)) if v is not None}
+        update["extra_body"] = {k: v for k, v in {**self.extra_body, **m.extra_body}.items() if v is not None}
+        update["modes"] = {}
+        return self.model_copy(update=update)
 
     def policy(self, klass: str) -> str:
         """The policy for a quality class: the profile's, else the default."""

@@ -13,6 +13,9 @@ class PlanConfig(BaseModel):
     # generation
     output_tokens: dict[str, int] = Field(default_factory=lambda: {"default": 512}, description="output tokens per "
                                           "unit, by category or `default`")
+    mode_output_factor: dict[str, float] = Field(default_factory=dict, description="generation mode -> its "
+                                                 "units' output tokens as a multiple of their category's "
+                                                 "`output_tokens` (modes left out: 1.0)")
     requests_per_unit: float = Field(1.05, description="attempts per (prompt, turn) unit, retries included")
     keep_fraction: float = Field(0.95, description="share of units that become shard rows (response filters and "
                                  "render rejects)")

@@ -65,7 +65,8 @@ class RenderConfig(BaseModel):
     on_drift: Literal["keep", "drop"] = Field("drop", description="rows whose rendered prompt ids differ from the "
                                               "server's `prompt_token_ids`")
     require_reasoning: bool = Field(False, description="reject a generated turn whose `reasoning_content` is null "
-                                    "(thinking on: its reasoning was lost)")
+                                    "(thinking on: its reasoning was lost); rows rendered with `thinking: false` are "
+                                    "exempt")
     content_part_types: list[str] = Field(default_factory=lambda: ["text"], description="content part types a "
                                           "message may hold; others are rejects (`unknown_content_part`)")
     control_tokens: Literal["reject", "keep"] = Field("reject", description="control-token strings inside message "

@@ -11,6 +11,27 @@ from filters.prompt import PROMPT_FILTERS
 from schemas.prompt import CATEGORIES
 
 SHORTFALL_POLICIES = ("redistribute", "report_only")
+DEFAULT_MODE = "default"  # the one mode of a profile without `select.modes`
+
+
+def _tokens_label(n: int) -> str:
+    return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+def band_names(edges: list[int]) -> list[str]:
+    """The input-length bands' names for upper bounds `edges` (tokens, increasing): `[2048, 8192]` ->
+    `["0-2K", "2K-8K"]` (K = 1024 tokens; other bounds are written in tokens)."""
+    lows = [0, *edges[:-1]]
+    return [f"{_tokens_label(lo)}-{_tokens_label(hi)}" for lo, hi in zip(lows, edges)]
+
+
+def band_of(num_tokens: int, edges: list[int]) -> str | None:
+    """The band of a prompt of `num_tokens` input tokens: the first band whose upper bound is >= it (bounds are
+    inclusive, `0-2K` holds 0..2048); `>32K` past the last bound (a band without a share); None without bands."""
+    for name, hi in zip(band_names(edges), edges):
+        if num_tokens <= hi:
+            return name
+    return f">{_tokens_label(edges[-1])}" if edges else None
 
 
 class SourceConfig(BaseModel):
@@ -96,6 +117,17 @@ class SelectConfig(BaseModel):
     shingle_chars: int = Field(5, description="near_dedup: character n-gram size of the MinHash shingles")
     minhash_max_chars: int = Field(4096, description="near_dedup: the first this-many normalized characters are "
                                    "compared")
+    length_bands: list[int] = Field(default_factory=list, description="upper bounds (prompt tokens, inclusive, "
+                                    "increasing) of the input-length bands every prompt is labelled with "
+                                    "(`length_band`: `[2048, 8192]` -> `0-2K`, `2K-8K`); the last must be >= "
+                                    "max_prompt_tokens; [] = no bands")
+    band_shares: list[float] = Field(default_factory=list, description="the share of each length band within "
+                                     "each category's quota (one per `length_bands` entry, summing to 1); a band "
+                                     "short of supply gives its shortfall to the category's other bands by share; "
+                                     "[] = bands are labels only, the category quotas alone select")
+    modes: dict[str, float] = Field(default_factory=dict, description="generation mode -> share of the prompts "
+                                    "(summing to 1), assigned per category x length band cell (column `mode`); "
+                                    "each mode's settings are `generate.modes.<name>`; {} = one mode, `default`")
     contamination_files: list[str] = Field(default_factory=list, description="benchmark prompt sets that must not "
                                            "be trained on (filter contamination)")
     contamination_ngram: int = Field(13, description="contamination: word n-gram size for overlap matching")
@@ -152,6 +184,41 @@ class SelectConfig(BaseModel):
         if v and abs(sum(v.values()) - 1.0) > 1e-6:
             raise ValueError(f"mix shares sum to {sum(v.values()):.6f}, they must sum to 1")
         return v
+
+    @model_validator(mode="after")
+    def _bands_and_modes(self):
+        e = self.length_bands
+        if e and (any(b <= 0 for b in e) or e != sorted(set(e))):
+            raise ValueError(f"length_bands {e}: upper bounds in tokens, > 0 and strictly increasing, e.g. "
+                             "[2048, 8192, 32768]")
+        if e and "token_budget" in self.filters and e[-1] < self.max_prompt_tokens:
+            raise ValueError(f"length_bands end at {e[-1]} tokens but max_prompt_tokens is {self.max_prompt_tokens}: "
+                             f"add a band up to {self.max_prompt_tokens} or lower max_prompt_tokens, so every kept "
+                             "prompt has a band")
+        if self.band_shares:
+            if len(self.band_shares) != len(e):
+                raise ValueError(f"band_shares has {len(self.band_shares)} entries for {len(e)} length_bands: give "
+                                 "one share per band, or [] for bands as labels only")
+            if any(s < 0 for s in self.band_shares) or abs(sum(self.band_shares) - 1.0) > 1e-6:
+                raise ValueError(f"band_shares {self.band_shares}: shares >= 0 summing to 1")
+        if self.modes:
+            if any(s < 0 for s in self.modes.values()) or abs(sum(self.modes.values()) - 1.0) > 1e-6:
+                raise ValueError(f"modes {self.modes}: shares >= 0 summing to 1")
+            if any(not m or not m.replace("_", "").replace("-", "").isalnum() for m in self.modes):
+                raise ValueError(f"modes {sorted(self.modes)}: names of letters, digits, '_' and '-'")
+        return self
+
+    def band_names(self) -> list[str]:
+        """The names of `length_bands` (`band_names`), [] without bands."""
+        return band_names(self.length_bands)
+
+    def band_of(self, num_tokens: int) -> str | None:
+        """The length band of a prompt of `num_tokens` estimated input tokens (`band_of`)."""
+        return band_of(num_tokens, self.length_bands)
+
+    def mode_shares(self) -> dict[str, float]:
+        """The modes' shares ({`default`: 1.0} without `modes`)."""
+        return dict(self.modes) if self.modes else {DEFAULT_MODE: 1.0}
 
     @model_validator(mode="after")
     def _filters_known(self):

@@ -18,7 +18,8 @@ Recorded tool results keep their content; their `tool_call_id` is rewritten to t
 Request key: sha256 of canonical JSON over prompt_id, turn, model, messages, tools, sampling
 (temperature, top_p, max_tokens, seed), extra_body and return_token_ids, and `served_by` when an embedded engine
 serves (its engine, version and weights): everything that changes the answer (`stream` does not), plus the unit's
-identity so two prompts sharing a first turn keep distinct rows.
+identity so two prompts sharing a first turn keep distinct rows. A prompt of a generation mode (`mode` column,
+`generate.modes`) is keyed and requested with that mode's settings (`GenerateConfig.for_mode`).
 """
 from __future__ import annotations
 
@@ -56,6 +57,8 @@ def request_config(cfg: GenerateConfig) -> dict:
            "return_token_ids": cfg.return_token_ids, "reasoning_in_history": cfg.reasoning_in_history}
     if cfg.served_by:  # only when set, so the hashes of runs against remote endpoints stay what they were
         out["served_by"] = cfg.served_by
+    if cfg.modes:  # likewise: a profile without modes keeps its hash
+        out["modes"] = {name: m.model_dump() for name, m in sorted(cfg.modes.items())}
     return out
 
 

@@ -30,6 +30,7 @@ from schemas.messages import message_from_arrow, message_to_arrow
 from schemas.prompt import canonical_json
 
 PROMPT_COLUMNS = ["prompt_id", "messages", "tools", "category", "language"]
+PROMPT_V3_COLUMNS = ["length_band", "mode"]  # PROMPT_SCHEMA v3; null for older selections
 NOTED = ("usage_inconsistent", "over_max_tokens")  # flagged classes whose numbers go in error_detail
 
 
@@ -51,8 +52,12 @@ def iter_prompts(files: list[Path], shard: tuple[int, int] = (0, 1)):
     seen: set[str] = set()
     for f in files:
         pf = pq.ParquetFile(f)
-        for batch in pf.iter_batches(batch_size=1024, columns=PROMPT_COLUMNS):
+        present = set(pf.schema_arrow.names)
+        columns = PROMPT_COLUMNS + [c for c in PROMPT_V3_COLUMNS if c in present]
+        for batch in pf.iter_batches(batch_size=1024, columns=columns):
             for row in batch.to_pylist():
+                for c in PROMPT_V3_COLUMNS:
+                    row.setdefault(c, None)
                 pid = row["prompt_id"]
                 if pid in seen or not in_shard(pid, shard):
                     continue
@@ -82,10 +87,20 @@ class Runner:
         self.api_key, self.writer, self.shard, self.show_progress = api_key, writer, shard, progress
         self.metrics = Metrics(writer)
         self.total_units = self.done_units = self.num_prompts = 0
-        self.request_params = canonical_json({**request_config(cfg)["sampling"], **cfg.extra_body,
-                                              **({"return_token_ids": True} if cfg.return_token_ids else {})})
+        self._modes: dict = {}  # mode -> (its GenerateConfig, its request_params JSON)
+        self.request_params = self.mode_config(None)[1]
         self.client: ChatClient | None = None
         self.ledger: ledger_mod.Ledger | None = None
+
+    def mode_config(self, mode: str | None) -> tuple[GenerateConfig, str]:
+        """(the config of a prompt of generation mode `mode`, its `request_params` JSON), built once per mode.
+        InputError for a mode the profile does not define (`GenerateConfig.for_mode`)."""
+        if mode not in self._modes:
+            cfg = self.cfg.for_mode(mode)
+            params = canonical_json({**request_config(cfg)["sampling"], **cfg.extra_body,
+                                     **({"return_token_ids": True} if cfg.return_token_ids else {})})
+            self._modes[mode] = (cfg, params)
+        return self._modes[mode]
 
     # -- planning
     def plan(self) -> tuple[dict, set]:
@@ -103,6 +118,7 @@ class Runner:
         partial = set()
         for p in iter_prompts(self.files, self.shard):
             n = len(turn_positions(p["messages"]))
+            self.mode_config(p.get("mode"))  # an unknown mode stops the run before its first request
             self.num_prompts += 1
             self.total_units += n
             done = recorded.get(p["prompt_id"], 0)
@@ -135,7 +151,8 @@ class Runner:
             "request_key": key, "prompt_id": p["prompt_id"], "turn": turn, "category": p["category"],
             "language": p["language"], "model": self.cfg.model, "tools": p["tools"],
             "messages": [message_to_arrow(m) for m in messages] if messages is not None else None,
-            "request_params": self.request_params, "finished_at": None, "flags": [],
+            "request_params": self.mode_config(p.get("mode"))[1], "finished_at": None, "flags": [],
+            "length_band": p.get("length_band"), "mode": p.get("mode"),
         }
 
     def _fill(self, row: dict, c: Completion | None, answer: bool = True) -> dict:
@@ -170,7 +187,7 @@ class Runner:
 
     # -- one unit, with retries and policies
     async def generate_turn(self, p: dict, turn: int, messages: list[dict], tools: list[dict] | None) -> tuple[dict, Completion | None]:
-        cfg = self.cfg
+        cfg = self.mode_config(p.get("mode"))[0]
         key = request_key(p["prompt_id"], turn, cfg, messages, tools)
         body = request_body(cfg, messages, tools)
         row = self._base_row(p, turn, key, messages)

@@ -267,8 +267,10 @@ class RowRenderer:
         cfg = self.cfg
         messages, tools = conversation_of(row)
         self._guard(row, messages, tools)
-        check_messages(messages, part_types=cfg.content_part_types, require_reasoning=cfg.require_reasoning)
         kwargs = template_kwargs_of(row, cfg.template_kwargs, self.allowed_kwargs)
+        # a row generated with thinking off (a generation mode, `thinking: false`) has no reasoning to lose
+        check_messages(messages, part_types=cfg.content_part_types,
+                       require_reasoning=cfg.require_reasoning and kwargs.get("thinking") is not False)
         kwargs["add_generation_prompt"] = False
         rendered = self._render(messages, tools, kwargs)
         ids = rendered.input_ids

@@ -33,7 +33,8 @@ import pyarrow.compute as pc
 from filters.dedup import MinHasher, near_duplicates
 from filters.prompt import PROMPT_FILTERS, ContaminationIndex
 from regen.select.batches import BatchRunner, configure, payload
-from regen.select.mix import largest_remainder, plan_mix, seeded_keys, select_rows  # noqa: F401 (re-exported)
+from regen.select.mix import (assign_modes, largest_remainder, plan_mix, seeded_keys,  # noqa: F401 (re-exported)
+                              select_rows)
 from regen.config.select import SelectConfig, SourceConfig
 from regen.errors import InputError
 from regen.rundir import RunDir
@@ -105,14 +106,28 @@ def _warn(message: str) -> None:
 
 
 def starved_categories(report: dict, cfg: SelectConfig) -> list[str]:
-    """Warnings for categories of an explicit `cfg.mix` selected below `cfg.min_category_fill` x their target;
-    with `on_category_shortfall: fail`, raises InputError instead (before anything is written)."""
+    """Warnings for categories of an explicit `cfg.mix` (and length bands of `cfg.band_shares`, summed over the
+    categories) selected below `cfg.min_category_fill` x their target; with `on_category_shortfall: fail`, raises
+    InputError instead (before anything is written)."""
     out = []
     for c, m in report["mix"].items():
         if cfg.mix.get(c, 0) > 0 and m["target"] > 0 and m["selected"] < cfg.min_category_fill * m["target"]:
             out.append(f"category {c!r} got {m['selected']:,} of its {m['target']:,} prompts "
                        f"({m['selected'] / m['target']:.0%} < min_category_fill {cfg.min_category_fill:.0%}; "
                        f"{m['available']:,} available after filters): check the sources and their category_map")
+    bands: dict = {}  # a length band short of supply, summed over the categories (select.band_shares)
+    for by_band in (report.get("bands") or {}).values():
+        for b, m in by_band.items():
+            t = bands.setdefault(b, {"target": 0, "selected": 0, "available": 0})
+            for k in t:
+                t[k] += m[k]
+    for b, t in bands.items():
+        if t["target"] > 0 and t["selected"] < cfg.min_category_fill * t["target"]:
+            share = t["selected"] / t["target"]
+            out.append(f"length band {b!r} got {t['selected']:,} of its {t['target']:,} prompts ({share:.0%} < "
+                       f"min_category_fill {cfg.min_category_fill:.0%}; {t['available']:,} "
+                       "available after filters; its shortfall went to the other bands): add longer prompts or "
+                       "lower its share in select.band_shares")
     if out and cfg.on_category_shortfall == "fail":
         raise InputError("select: starved category quota (select.on_category_shortfall: fail): " + "; ".join(out)
                          + ". Add prompts of that category, lower its share in select.mix, or set "
@@ -268,7 +283,7 @@ def run_select(cfg: SelectConfig, run: RunDir, *, seed: int, extra_sources: list
             runner.close(error=True)
             raise
         runner.close()
-        pool = pa.concat_tables(tables) if tables else PROMPT_SCHEMA.empty_table()
+        pool = with_bands(pa.concat_tables(tables) if tables else PROMPT_SCHEMA.empty_table(), cfg)
         del tables
         keep = np.ones(pool.num_rows, dtype=bool)
         if near is not None and pool.num_rows > 1:
@@ -281,6 +296,7 @@ def run_select(cfg: SelectConfig, run: RunDir, *, seed: int, extra_sources: list
     warnings = [f"source file skipped (on_bad_file: skip): {f}: {why}" for f, why in sorted(bad_files.items())]
     warnings += starved_categories(report, cfg)
     selected = pool.take(pa.array(chosen, type=pa.int64())) if len(chosen) else PROMPT_SCHEMA.empty_table()
+    selected = with_modes(selected, cfg, seed)
     sel_files = Counter(selected.column("source_file").to_pylist())
     pool_files = Counter(pool.filter(pa.array(keep)).column("source_file").to_pylist())
     for f, a in acct.items():
@@ -305,6 +321,25 @@ def run_select(cfg: SelectConfig, run: RunDir, *, seed: int, extra_sources: list
     for w in warnings:
         _warn(w)
     return manifest
+
+
+def with_bands(table: pa.Table, cfg: SelectConfig) -> pa.Table:
+    """`table` (PROMPT_SCHEMA) with `length_band` set from `num_prompt_tokens` (`SelectConfig.band_of`); null
+    without `select.length_bands`."""
+    bands = [cfg.band_of(int(n or 0)) for n in table.column("num_prompt_tokens").to_pylist()] \
+        if cfg.length_bands else [None] * table.num_rows
+    i = table.schema.get_field_index("length_band")
+    return table.set_column(i, "length_band", pa.array(bands, type=pa.string()))
+
+
+def with_modes(table: pa.Table, cfg: SelectConfig, seed: int) -> pa.Table:
+    """`table` (the selection) with `mode` assigned per category x band cell (`assign_modes`); null without
+    `select.modes`."""
+    modes = assign_modes(table.column("prompt_id").to_pylist(), table.column("category").to_pylist(),
+                         table.column("length_band").to_pylist(), cfg.modes, seed) \
+        if cfg.modes else [None] * table.num_rows
+    i = table.schema.get_field_index("mode")
+    return table.set_column(i, "mode", pa.array(modes, type=pa.string()))
 
 
 def _acct(acct: dict, name: str, source: str, shape: str | None) -> dict:
@@ -421,8 +456,9 @@ def originals_counts(selected) -> dict:
 
 
 def _manifest(cfg, seed, extra, chash, selected, report, drops, acct, parts, rej_parts, pool_rows) -> dict:
-    def counts(col):
-        return dict(sorted(Counter(selected.column(col).to_pylist()).items())) if selected.num_rows else {}
+    def counts(col):  # null values (no bands, no modes) are not counted
+        return dict(sorted(Counter(v for v in selected.column(col).to_pylist() if v is not None).items())) \
+            if selected.num_rows else {}
 
     totals = {k: sum(a[k] for a in acct.values()) for k in ("input_rows", "selected", "rejected", "not_selected")}
     bad = {f: a for f, a in acct.items() if a["input_rows"] != a["selected"] + a["rejected"] + a["not_selected"]}
@@ -441,8 +477,11 @@ def _manifest(cfg, seed, extra, chash, selected, report, drops, acct, parts, rej
         "num_eligible": pool_rows,
         "parts": parts,
         "rejected_parts": rej_parts,
-        "counts": {"category": counts("category"), "language": counts("language"), "source": counts("source")},
+        "counts": {"category": counts("category"), "language": counts("language"), "source": counts("source"),
+                   "length_band": counts("length_band"), "mode": counts("mode")},
         "mix": report["mix"],
+        **({"bands": report["bands"]} if "bands" in report else {}),
+        "cells": cell_counts(selected),
         "shortfall_policy": cfg.shortfall_policy,
         "total_shortfall": report["total_shortfall"],
         "capped": report["capped"],
@@ -450,6 +489,16 @@ def _manifest(cfg, seed, extra, chash, selected, report, drops, acct, parts, rej
         "originals": originals_counts(selected),
         "accounting": {"files": acct, "totals": totals, "closed": True},
     }
+
+
+def cell_counts(selected) -> list[dict]:
+    """Selected prompts per category x length band x mode: [{category, length_band, mode, prompts}], sorted."""
+    if not selected.num_rows:
+        return []
+    cells = Counter(zip(selected.column("category").to_pylist(), selected.column("length_band").to_pylist(),
+                        selected.column("mode").to_pylist()))
+    return [{"category": c, "length_band": b, "mode": m, "prompts": n}
+            for (c, b, m), n in sorted(cells.items(), key=lambda kv: tuple(str(x) for x in kv[0]))]
 
 
 # ----------------------------------------------------------------------------------------------- CLI
@@ -469,6 +518,11 @@ def print_mix(manifest: dict) -> None:
                       f"{m['share_selected']:.1%}", f"{m['shortfall']:,}" if m["shortfall"] else "")
     con = Console()
     con.print(table)
+    for dim in ("length_band", "mode"):
+        counts = manifest["counts"].get(dim, {})
+        if counts:
+            con.print(f"{dim}: " + ", ".join(f"{k} {v:,} ({v / max(1, manifest['num_prompts']):.1%})"
+                                             for k, v in counts.items()))
     t = manifest["accounting"]["totals"]
     con.print(f"input rows {t['input_rows']:,} = selected {t['selected']:,} + rejected {t['rejected']:,} "
               f"+ not selected {t['not_selected']:,}")

@@ -198,7 +198,7 @@ def test_prompt_schema_v2_round_trip_and_v1_files_still_read(tmp_path):
     assert original_answers_of(rows[1]) is None
     pq.write_table(table.drop(["original_answers"]), tmp_path / "v1.parquet")
     assert all(original_answers_of(r) is None for r in pq.read_table(tmp_path / "v1.parquet").to_pylist())
-    assert PROMPT_SCHEMA.metadata[b"schema_version"] == b"2"
+    assert PROMPT_SCHEMA.metadata[b"schema_version"] == b"3"  # v3: length_band, mode
 
 
 def test_turn_positions_has_one_definition():

@@ -63,7 +63,7 @@ def test_mix_within_one_point_and_schema(shared_run):
     for part in manifest["parts"]:
         t = pq.read_table(run.prompts / part["path"])
         assert t.schema.equals(PROMPT_SCHEMA, check_metadata=False)
-        assert t.schema.metadata[b"schema_version"] == b"2"  # v2: original_answers
+        assert t.schema.metadata[b"schema_version"] == b"3"  # v3: length_band, mode
     ids = query(run.root, "SELECT count(DISTINCT prompt_id), count(*) FROM prompts")[1][0]
     assert ids[0] == ids[1] == 250
 
