@@ -11,6 +11,7 @@ Plots (matplotlib PNGs inlined as base64 `data:` URIs; no file or network access
   throughput     output tokens/s and requests per minute     generations/throughput.parquet, else finished_at
   drift          render drift: rows whose rendered prompt ids differ from the server's, by cause
                                                              shards/manifest.json `drift`
+  acc_len_cells, position_acceptance, eval_curve: where the draft is weak and its curve (`regen.report.acceptance`)
 and tables: stage counts (manifests, one row per count), the mix, the finish-reason mix of the answers,
 generation outcomes, reject reasons. A missing stage gives a
 note in place of its plots, never an error. Written to `<run>/report.html` by default. A small inline script
@@ -25,7 +26,7 @@ import io
 import time
 from pathlib import Path
 
-from regen.report import summary
+from regen.report import acceptance, summary
 from regen.errors import InputError
 from schemas.io import read_json
 
@@ -172,6 +173,8 @@ def make_plots(run_root: Path, con) -> dict[str, tuple[str | None, str]]:
         caption = (f"Render drift rate {rate:.2%} of {checked} rows checked against the server's prompt_token_ids"
                    if checked else "drift rate: no rows checked (the server returned no token ids)")
         plots["drift"] = (_png(_bar(labels, values, f"Render drift: {rate:.2%}", "rows")), caption)
+    plots.update(acceptance.eval_plots(run_root))
+    plots.update(acceptance.curve_plot(run_root))
     return plots
 
 
@@ -212,6 +215,7 @@ def render_report(run_root: str | Path) -> str:
     parts.append("<h2>Finish reasons</h2>" + _html_table(summary.finish_table(con)))
     parts.append("<h2>Generations</h2>" + _html_table(summary.generation_table(con)))
     parts.append("<h2>Rejected</h2>" + _html_table(summary.reject_table(con)))
+    parts.append("<h2>Acceptance per cell (trained draft, eval.json)</h2>" + _html_table(acceptance.cells_table(root)))
     parts.append("</body></html>")
     return "\n".join(parts)
 

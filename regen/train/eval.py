@@ -35,6 +35,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from regen.train.eval_cells import breakdown, format_cells, prompt_labels
+
 HELDOUT_BUCKETS = 1_000_000
 
 
@@ -134,7 +136,8 @@ def resolve_draft_dir(path: str | Path) -> Path:
 
 
 def heldout_prompts(run, fraction: float, num_prompts: int) -> list[dict]:
-    """Held-out rows of `run.shards` (one per prompt_id, ordered by hash): {prompt_id, category, prompt_ids}."""
+    """Held-out rows of `run.shards` (one per prompt_id, ordered by hash): {prompt_id, category, prompt_ids,
+    length_band, mode} (band and mode from the selection, `regen.train.eval_cells.prompt_labels`)."""
     import pyarrow.parquet as pq
 
     from regen.errors import InputError
@@ -154,7 +157,8 @@ def heldout_prompts(run, fraction: float, num_prompts: int) -> list[dict]:
                 seen[pid] = {"prompt_id": pid, "category": row["category"] or "unknown",
                              "prompt_ids": row["input_ids"][:start]}
     order = sorted(seen, key=lambda pid: hashlib.sha256(pid.encode()).hexdigest())
-    return [seen[pid] for pid in order[:num_prompts]]
+    labels = prompt_labels(run)
+    return [{**seen[pid], **labels.get(pid, {})} for pid in order[:num_prompts]]
 
 
 def greedy_reference(target, prompt_ids: list[int], num_tokens: int, stop_ids) -> tuple[list[int], list[int], object]:
@@ -296,6 +300,7 @@ def evaluate_sampled(target, drafts: dict, prompts: list[dict], *, max_new_token
     import torch
 
     rounds = {name: {} for name in drafts}
+    requests = {name: [] for name in drafts}  # (prompt, its rounds): the per-cell breakdown (eval_cells)
     for n, p in enumerate(prompts):
         for name, draft in drafts.items():
             gen = torch.Generator(device=target.device)
@@ -313,17 +318,21 @@ def evaluate_sampled(target, drafts: dict, prompts: list[dict], *, max_new_token
             r, seq = sampled_rounds(propose, session, p["prompt_ids"], max_new_tokens=max_new_tokens,
                                     temperature=temperature, top_p=top_p, stop_ids=stop_ids, generator=gen)
             rounds[name].setdefault(p["category"], []).extend(r)
+            requests[name].append((p, r))
         if progress:
             print(f"eval T={temperature:g}: prompt {n + 1}/{len(prompts)}", flush=True)
-    return _summaries(rounds, max(1, next(iter(drafts.values())).config.block_size))
+    return _summaries(rounds, max(1, next(iter(drafts.values())).config.block_size), requests)
 
 
-def _summaries(rounds: dict, block_size: int) -> dict:
+def _summaries(rounds: dict, block_size: int, requests: dict | None = None) -> dict:
     result = {}
     for name, by_cat in rounds.items():
         every = [r for rs in by_cat.values() for r in rs]
         result[name] = summarize(every, block_size)
         result[name]["per_category"] = {c: summarize(rs, block_size) for c, rs in sorted(by_cat.items())}
+        if requests is not None:  # per category x length band x mode, both averages (regen.train.eval_cells)
+            result[name]["breakdown"] = breakdown(requests[name], block_size)
+            result[name]["acc_len_per_request"] = result[name]["breakdown"]["overall"]["acc_len_per_request"]
     return result
 
 
@@ -334,6 +343,7 @@ def evaluate(target, drafts: dict, prompts: list[dict], *, max_new_tokens: int, 
     Returns {name: {acc_len, num_rounds, accept_rate, per_category: {cat: {acc_len, num_rounds, ...}}}}.
     """
     rounds = {name: {} for name in drafts}
+    requests = {name: [] for name in drafts}
     for n, p in enumerate(prompts):
         seq, argmax, taps = greedy_reference(target, p["prompt_ids"], max_new_tokens + block_size + 1, stop_ids)
         P = len(p["prompt_ids"])
@@ -346,9 +356,10 @@ def evaluate(target, drafts: dict, prompts: list[dict], *, max_new_tokens: int, 
             r = replay_rounds(propose, seq, argmax, P, max_new_tokens=max_new_tokens, block_size=block_size,
                               stop_ids=stop_ids)
             rounds[name].setdefault(p["category"], []).extend(r)
+            requests[name].append((p, r))
         if progress:
             print(f"eval: prompt {n + 1}/{len(prompts)} ({len(seq) - len(p['prompt_ids'])} tokens)", flush=True)
-    return _summaries(rounds, block_size)
+    return _summaries(rounds, block_size, requests)
 
 
 RESERVED_NAMES = frozenset({"trained", "untrained", "num_prompts", "num_prompts_asked", "seed", "draft",
@@ -529,6 +540,7 @@ def main(args) -> int:
     print(json.dumps({**brief, "num_prompts": out["num_prompts"], "seed": out["seed"],
                       "eval_json": str(run.eval_json)}, indent=2))
     print(format_table(out))
+    print(format_cells(out))
     return 0
 
 

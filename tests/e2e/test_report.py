@@ -67,3 +67,29 @@ def test_a_run_whose_rows_were_all_rejected(tmp_path):
     (run / "shards" / "manifest.json").write_text(json.dumps({**manifest, "shards": []}))
     text = render_report(run)
     assert "<tr><td>render</td><td>rows</td><td>0</td></tr>" in text and 'id="plot-mix"><img' in text
+
+
+def test_acceptance_plots_from_eval_and_the_training_curve(tmp_path):
+    """Issue 28: acc_len per category x band x mode (both averages, the untrained draft beside it), per-position
+    acceptance, and the held-out curve measured during training, with the best step."""
+    import json
+
+    from regen.train.eval import Round
+    from regen.train.eval_cells import breakdown
+
+    run = make_synthetic_run(tmp_path / "run")
+    assert "no eval.json" in render_report(run)
+    reqs = [({"category": c, "length_band": b, "mode": "default", "prompt_ids": [1] * 9},
+             [Round(a, a + 1, 4, False) for a in (k, k + 1, 0)])
+            for k, (c, b) in enumerate([("coding", "0-128"), ("coding", "128-1536"), ("general", "0-128")])]
+    ev = {name: {"acc_len": 1.5, "breakdown": breakdown(reqs, 4)} for name in ("trained", "untrained")}
+    (run / "eval.json").write_text(json.dumps(ev))
+    (run / "train").mkdir(exist_ok=True)
+    (run / "train" / "periodic_eval.jsonl").write_text("".join(
+        json.dumps({"step": s, "acc_len_estimate": v, "eval_every": 50, "method": "teacher-forced"}) + "\n"
+        for s, v in ((50, 1.1), (100, 1.3), (150, 1.25))))
+    text = render_report(run)
+    images = _images(text)
+    assert {"acc_len_cells", "position_acceptance", "eval_curve"} <= set(images)
+    assert all(images[k].startswith(b"\x89PNG") for k in ("acc_len_cells", "position_acceptance", "eval_curve"))
+    assert "best 1.300 at step 100" in text and "<td>coding</td><td>128-1536</td><td>default</td>" in text
