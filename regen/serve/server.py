@@ -117,15 +117,16 @@ def threads(cfg: ServeConfig) -> int:
 
 
 def server_command(cfg: ServeConfig, model_name: str, port: int, engine: str | None = None,
-                   template: Path | None = None) -> list[str]:
+                   template: Path | None = None, draft: Path | None = None, draft_n_max: int = 7) -> list[str]:
     """The server argv for `cfg` and `engine` (default `cfg.engine`). `transformers serve` runs with cwd = the
-    model directory's parent; llama.cpp (regen.serve.llama_cpp.command) reads `template`, a chat template file."""
+    model directory's parent; llama.cpp (regen.serve.llama_cpp.command) reads `template`, a chat template file,
+    and serves with speculative decoding when given a DSpark `draft` GGUF (`draft_n_max` tokens a round)."""
     if (engine or cfg.engine) == "llama.cpp":
         from regen.serve import llama_cpp
 
         return llama_cpp.command(engine_gguf(cfg), model_name, template or Path("chat_template.jinja"), cfg.host,
                                  port, threads=threads(cfg), parallel=cfg.parallel, ctx_per_slot=cfg.ctx_per_slot,
-                                 poll=cfg.poll)
+                                 poll=cfg.poll, draft=draft, draft_n_max=draft_n_max)
     exe = Path(sys.executable).with_name("transformers")
     cmd = [str(exe) if exe.exists() else "transformers", "serve", model_name, "--device", cfg.device,
            "--host", cfg.host, "--port", str(port), "--log-level", cfg.log_level]
@@ -167,10 +168,12 @@ class EmbeddedTarget:
     """
 
     def __init__(self, cfg: ServeConfig, *, log_path: str | Path | None = None, stop_timeout_s: float = 15.0,
-                 sampling: dict | None = None, log=None):
+                 sampling: dict | None = None, log=None, draft: str | Path | None = None, draft_n_max: int = 7):
         from regen.config import resolve_path
 
         self.cfg = cfg
+        self.draft = Path(draft) if draft is not None else None  # a DSpark draft GGUF: llama.cpp only
+        self.draft_n_max = draft_n_max
         self._log = log
         self.engine: str | None = None  # resolved at start (resolve_engine)
         # the batch's sampling, fixed by the warm-up request (module docstring); greedy unless given
@@ -199,6 +202,9 @@ class EmbeddedTarget:
                 "or `.venv/bin/python -m regen.serve.prepare_model`"
             )
         self.engine = resolve_engine(self.cfg, self._log)
+        if self.draft is not None and self.engine != "llama.cpp":
+            raise InputError("a DSpark draft is served by the llama.cpp engine only (serve.engine llama.cpp, package "
+                             "xllamacpp: bash scripts/setup.sh installs it)")
         if self.engine == "llama.cpp" and not engine_gguf(self.cfg).exists():
             raise InputError(
                 f"embedded target: {engine_gguf(self.cfg)} not found (serve.gguf_type {self.cfg.gguf_type}): run "
@@ -242,7 +248,7 @@ class EmbeddedTarget:
 
             template = self.log_path.parent / "llama_cpp_chat_template.jinja"
             template.write_text(served_template(self.model_dir), encoding="utf-8")
-        return server_command(self.cfg, self.model, self.port, self.engine, template)
+        return server_command(self.cfg, self.model, self.port, self.engine, template, self.draft, self.draft_n_max)
 
     def _wait_ready(self, t0: float) -> None:
         import httpx

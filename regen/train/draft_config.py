@@ -14,6 +14,15 @@ from pathlib import Path
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 FROZEN_PREFIXES = ("embed_tokens.", "lm_head.")
+# The `model_type` of regen's own folders (trainer step folders, `save_draft`): a type no serving engine registers,
+# and no `architectures` entry, so an engine pointed at a trainer folder refuses it at once ("unrecognized model
+# type") instead of loading it into a model of its own that happens to share a name (vLLM 0.32 reroutes an unknown
+# DSpark architecture to its DeepSeek-V4 draft; shared/docs/serving-engines.md §0). Engines get their own layout from
+# `regen export-draft` (regen.serve.engines). Folders written before (model_type "k3_dspark", architectures
+# ["DSparkDraft"]) still load.
+REGEN_MODEL_TYPE = "regen_dspark"
+LEGACY_MODEL_TYPES = ("k3_dspark",)
+LEGACY_ARCHITECTURES = (["DSparkDraft"],)
 
 
 @dataclass(frozen=True)
@@ -24,7 +33,7 @@ class DSparkConfig:
     which is `target_num_hidden_layers` here). Raises ValueError on an invalid combination.
     """
 
-    model_type: str = "k3_dspark"
+    model_type: str = REGEN_MODEL_TYPE
     attention_type: str = "mla"  # "mla" (K3, spec §2 table) | "gqa" (DS/Qwen3 style)
     block_size: int = 7
     num_hidden_layers: int = 5  # draft layers
@@ -129,7 +138,8 @@ class DSparkConfig:
         d["num_target_layers"] = self.num_target_layers
         d["rope_theta"] = self.rope_theta  # top level too: serving code that reads `config.rope_theta` (vLLM's
         # DeepSeek-V2/V3 path) would otherwise fall back to 10,000 (issue 14)
-        d["architectures"] = ["DSparkDraft"]
+        d["regen_note"] = ("a regen trainer folder, not a serving checkpoint: serve it with the folder `regen "
+                           "export-draft --engine ENGINE --draft THIS_FOLDER` writes (docs/serve.md)")
         return d
 
     def to_json(self) -> str:
@@ -138,9 +148,16 @@ class DSparkConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "DSparkConfig":
         known = {f.name for f in fields(cls)}
-        unknown = set(d) - known - {"num_target_layers", "architectures", "rope_theta"}
+        unknown = set(d) - known - {"num_target_layers", "architectures", "rope_theta", "regen_note"}
         if unknown:
             raise ValueError(f"unknown DSparkConfig fields {sorted(unknown)}")
+        if "architectures" in d and d["architectures"] not in LEGACY_ARCHITECTURES:
+            raise ValueError(f"architectures {d['architectures']}: this is an engine's folder, not a regen draft "
+                             "folder; give the trainer's step folder (runs/<name>/train/checkpoints/step-N)")
+        d = {**d, "model_type": REGEN_MODEL_TYPE} if d.get("model_type") in LEGACY_MODEL_TYPES else d
+        if d.get("model_type", REGEN_MODEL_TYPE) != REGEN_MODEL_TYPE:
+            raise ValueError(f"model_type {d['model_type']!r}: not a regen draft folder (model_type "
+                             f"{REGEN_MODEL_TYPE!r}); give the trainer's step folder")
         cfg = cls(**{k: v for k, v in d.items() if k in known})
         if "rope_theta" in d and float(d["rope_theta"]) != cfg.rope_theta:
             raise ValueError(f"rope_theta {d['rope_theta']} differs from rope_parameters.rope_theta "
