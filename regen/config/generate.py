@@ -177,6 +177,9 @@ class GenerateConfig(BaseModel):
     part_interval_s: float = Field(300.0, description="... or a part at least this often, seconds")
     queue_size: int = Field(0, description="conversations queued ahead of the workers; 0 = 2 x max_in_flight")
     ray_actors: int = Field(0, description="with `--ray`: the number of actors; 0 = one per alive node")
+    progress_interval_s: float = Field(60.0, ge=0, description="seconds between progress lines (units done, "
+                                       "rates, ETA) printed where no progress bar draws: stdout not a terminal, "
+                                       "`--no-progress`, the Prefect flow's logs; 0 = none")
     modes: dict[str, ModeConfig] = Field(default_factory=dict, description="generation mode -> its request settings "
                                          "(`generate.modes.<name>.*`); a prompt's `mode` column (select.modes) "
                                          "picks one; {} = every prompt with the section's settings")

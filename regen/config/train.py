@@ -178,3 +178,20 @@ class TrainConfig(BaseModel):
     eval_prompts: int = Field(0, description="`regen run`: held-out prompts to measure acc_len on after training; "
                               "0 = no eval step")
     eval_max_new_tokens: int = Field(64, description="`regen run`'s eval: new tokens per prompt")
+    # during training (issue 28): the held-out estimate, the best checkpoint, tracking, warm start
+    eval_every: int = Field(0, ge=0, description="steps between held-out acc_len estimates during training "
+                            "(`regen.train.periodic_eval`: teacher-forced on held-out rows' recorded answers, "
+                            "labelled an estimate); 0 = none")
+    eval_rows: int = Field(16, ge=1, description="held-out rows of each estimate during training")
+    keep_best: bool = Field(True, description="with eval_every: keep the checkpoint of the best estimate in "
+                            "<train>/best/ beside the latest")
+    tracking: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
+        default_factory=lambda: ["tensorboard"], description="where training and evaluation figures go besides "
+        "log.jsonl: TensorBoard event files in <train>/tensorboard/; `wandb` and `mlflow` only where installed "
+        "(asking for one that is not is an error)")
+    tracking_project: str = Field("regen", description="the W&B project / MLflow experiment name")
+    progress_interval_s: float = Field(60.0, ge=0, description="seconds between training progress lines on "
+                                       "stdout (step, loss, rate, ETA); 0 = none")
+    init_from: str | None = Field(None, description="start training from this draft checkpoint (a step folder, a "
+                                  "training directory with latest.json, or an exported draft folder), checked "
+                                  "against the profile; ignored when the run resumes its own checkpoint")

@@ -152,11 +152,25 @@ def format_stats(snapshot: dict, in_flight: int, limit: int | None = None) -> st
 
 
 class ProgressLine:
-    """A rich progress bar: units done / total, req/s, output tok/s, in flight, errors by class, ETA."""
+    """Progress of a generation: units done / total, req/s, output tok/s, in flight, errors by class, ETA.
 
-    def __init__(self, total: int, done: int, enabled: bool = True):
-        self.enabled = enabled
-        if not enabled:
+    On a terminal with `enabled`, a rich progress bar. Anywhere else (stdout sent to a file, `--no-progress`, a
+    Prefect task, whose printed lines go to the flow run's logs) a plain line every `interval_s` seconds
+    (`generate.progress_interval_s`; 0 = none) and one at the end: a bar draws nothing where nobody watches a
+    terminal (issue 28: a main job sent to a file printed nothing for 45 minutes)."""
+
+    def __init__(self, total: int, done: int, enabled: bool = True, interval_s: float = 0.0, out=None,
+                 terminal: bool | None = None):
+        import sys
+
+        self.out = out or sys.stdout
+        terminal = self.out.isatty() if terminal is None else terminal
+        self.enabled = enabled and terminal
+        self.interval_s = 0.0 if self.enabled else interval_s
+        self.total, self.start_done, self.done = total, done, done
+        self.t0 = self.last = time.monotonic()
+        self.stats = ""
+        if not self.enabled:
             return
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -169,11 +183,27 @@ class ProgressLine:
 
     def update(self, done: int, snapshot: dict, in_flight: int, limit: int | None = None) -> None:
         """`limit`: the current in-flight limit (max_in_flight auto: the sum over endpoints), shown as n/limit."""
-        if not self.enabled:
-            return
-        stats = format_stats(snapshot, in_flight, limit)
-        self.progress.update(self.task, completed=done, stats=stats)
+        self.done, self.stats = done, format_stats(snapshot, in_flight, limit)
+        if self.enabled:
+            self.progress.update(self.task, completed=done, stats=self.stats)
+        elif self.interval_s > 0 and time.monotonic() - self.last >= self.interval_s:
+            self.print_line()
+
+    def line(self) -> str:
+        """`generate: D/T units (P%), <stats>, ETA M min` (the rate since this process started)."""
+        elapsed = time.monotonic() - self.t0
+        rate = (self.done - self.start_done) / elapsed if elapsed > 0 else 0.0
+        left = max(0, self.total - self.done)
+        eta = f"ETA {left / rate / 60:.1f} min" if rate > 0 and left else ("done" if not left else "ETA unknown")
+        return (f"generate: {self.done:,}/{self.total:,} units ({self.done / max(1, self.total):.1%}), "
+                f"{self.stats or 'no completion yet'}, {elapsed / 60:.1f} min elapsed, {eta}")
+
+    def print_line(self) -> None:
+        self.last = time.monotonic()
+        print(self.line(), file=self.out, flush=True)
 
     def close(self) -> None:
         if self.enabled:
             self.progress.stop()
+        elif self.interval_s > 0:
+            self.print_line()

@@ -89,17 +89,18 @@ def run_on_ray(cfg: GenerateConfig, gen_dir: Path, files: list[Path], endpoints:
         n = actors_wanted or max(1, len([nd for nd in ray.nodes() if nd.get("Alive")]))
         Actor = _actor_class()
         actors = [Actor.options(scheduling_strategy="SPREAD", num_cpus=0).remote() for _ in range(n)]
-        refs = [a.run.remote(cfg.model_dump_json(), str(gen_dir), [str(f) for f in files], endpoints, api_key,
+        quiet = cfg.model_copy(update={"progress_interval_s": 0})  # the driver prints the whole run's line
+        refs = [a.run.remote(quiet.model_dump_json(), str(gen_dir), [str(f) for f in files], endpoints, api_key,
                              f"r{i}", (i, n)) for i, a in enumerate(actors)]
         bar = None
         pending = list(refs)
         while pending:
             _, pending = ray.wait(pending, num_returns=len(pending), timeout=0.5)
-            if progress:
+            if progress or cfg.progress_interval_s > 0:  # the actors print none (their cfg: interval 0)
                 states = ray.get([a.progress.remote() for a in actors])
                 done, total = sum(s[0] for s in states), sum(s[1] for s in states)
                 if bar is None and total:
-                    bar = ProgressLine(total, done, True)
+                    bar = ProgressLine(total, done, progress, cfg.progress_interval_s)
                 if bar is not None:
                     snap = {"req_per_s": sum(s[2]["req_per_s"] for s in states),
                             "out_tok_per_s": sum(s[2]["out_tok_per_s"] for s in states), "failures": {}}

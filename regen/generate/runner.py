@@ -269,7 +269,7 @@ class Runner:
         cut = {}
         for r in ledger_mod.load_rows(self.gen_dir, partial):
             cut.setdefault(r["prompt_id"], []).append(r)
-        bar = ProgressLine(self.total_units, self.done_units, self.show_progress)
+        bar = ProgressLine(self.total_units, self.done_units, self.show_progress, self.cfg.progress_interval_s)
         cap = self.cfg.in_flight_cap(len(self.endpoints))  # auto: workers for every endpoint's highest limit
         queue: asyncio.Queue = asyncio.Queue(self.cfg.queue_size or 2 * cap)
         num_workers = cap

@@ -15,7 +15,11 @@ Modules, in reading order:
     parallel.py      process group and FSDP2, applied in one function
     checkpoint.py    servable draft + exact resume state
     loop.py          the training loop, top to bottom
+    warm_start.py    `train.init_from`: an existing draft (regen's or an engine's folder), checked, loaded
+    tracking.py      figures to TensorBoard (W&B, MLflow where asked), the run's configuration, progress lines
+    periodic_eval.py the held-out estimate every N steps, the best checkpoint, the loop's hooks
     eval.py          acc_len against the target on held-out prompts (spec §7), greedy and at --temperature
+    eval_cells.py    acc_len per category x length band x mode, per round and per request, per position
     sampling.py      speculative rejection sampling: temperature / top-p, residual, the verification rule
 
 Entry points: `regen.train.loop.run_train(cfg: TrainConfig, run: RunDir)`, `regen.train.eval.run_eval(...)`;

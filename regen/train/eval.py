@@ -483,6 +483,10 @@ def run_eval(cfg, run, *, draft_dir, seed: int | None = None, num_prompts: int =
            "protocol": GREEDY_PROTOCOL, **({"sampled": sampled} if sampled else {}),
            "elapsed_s": round(time.perf_counter() - t0, 2)}
     write_json_atomic(out, Path(out_path) if out_path else run.eval_json)
+    if getattr(cfg, "tracking", None):  # the figures to the draft's TensorBoard too (regen.train.tracking)
+        from regen.train.tracking import track_eval
+
+        track_eval(out, ddir, run, cfg)
     return out
 
 

@@ -32,6 +32,8 @@ from pathlib import Path
 
 from regen.config import add_profile_arguments, load_profile_from_args
 from regen.errors import InputError
+from regen.train import warm_start
+from regen.train.periodic_eval import TrainHooks
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--follow", action="store_true",
                         help="train while `regen render` writes shards; end when its manifest is marked complete")
     parser.add_argument("--max-steps", type=int, default=None, help="optimizer steps (overrides train.max_steps)")
+    parser.add_argument("--init-from", default=None, help="start from this draft (train.init_from): a step folder, "
+                        "a training directory, or an exported K3DSparkModel / Qwen3DSparkModel folder")
     parser.add_argument("--out", default=None,
                         help="training directory (default <run>/train), e.g. runs/local/train-markov0 for an "
                              "ablation trained on the same shards beside the main draft")
@@ -59,6 +63,8 @@ def main(args) -> int:
     updates = {"seed": cfg.seed if cfg.seed is not None else profile.seed}
     if args.max_steps is not None:
         updates["max_steps"] = args.max_steps
+    if args.init_from is not None:
+        updates["init_from"] = args.init_from
     cfg = cfg.model_copy(update=updates)
     from regen.train.features.netns import run_train_isolated, should_isolate
 
@@ -399,10 +405,13 @@ def _train(cfg, run, info, target_path: Path, train_dir: Path, *, follow: bool,
     feed = ShardFeed(run.shards, feed_config(cfg), rank=info.rank, world_size=info.world_size,
                      grad_accum=cfg.grad_accum, follow=follow)
     resume_from = latest_checkpoint(train_dir)
-    vocab_ids, vocab_report = draft_vocabulary(draft_cfg, feed, resume_from, follow=follow)
+    init = warm_start.prepare(cfg, draft_cfg, resume_from, info.is_main)  # train.init_from (regen.train.warm_start)
+    vocab_ids, vocab_report = (warm_start.vocabulary(init) if init is not None and init.d2t is not None
+                               else draft_vocabulary(draft_cfg, feed, resume_from, follow=follow))
 
     # -- draft, sharded -------------------------------------------------------------------------------------
     draft = DSparkDraft.from_target(target.model, draft_cfg, draft_vocab=vocab_ids).to(info.device)
+    warm = warm_start.load_into(draft, init) if init is not None else None
     compute_dtype = _dtype(cfg.dtype, info.device)
     share_frozen_with_target(draft, target.model, compute_dtype)
     t2d = draft.t2d.cpu() if draft_cfg.draft_vocab_size else None
@@ -440,7 +449,8 @@ def _train(cfg, run, info, target_path: Path, train_dir: Path, *, follow: bool,
         log.info("dtype: draft %s, target %s (train.dtype %s, train.target_dtype %s; CPU native bf16: %s)",
                  dtypes["draft"], dtypes["target"], cfg.dtype, cfg.target_dtype, dtypes["cpu_native_bf16"])
     training_meta = {"profile_train": cfg.model_dump(), "target": str(target_path), "world_size": info.world_size,
-                     "shards_manifest": str(manifest_path), "draft_vocab": vocab_report, "dtype": dtypes}
+                     "shards_manifest": str(manifest_path), "draft_vocab": vocab_report, "dtype": dtypes,
+                     "init_from": warm}
     num_epochs = cfg.epochs if cfg.epochs > 0 else None  # ends at the first of max_steps and epochs
     pool, source = None, target
     if cfg.features == "producers":
@@ -453,15 +463,16 @@ def _train(cfg, run, info, target_path: Path, train_dir: Path, *, follow: bool,
             num_steps=min(total_steps - step, stop_after_steps) if stop_after_steps else total_steps - step)
         source = pool.features
     try:
+        hooks = TrainHooks(cfg, run, train_dir, target, info, total_steps, step)  # tracking, estimates, best
         return _loop(cfg, info, train_dir, model, source, pool, opt, sched, feed, draft_cfg, t2d, step, total_steps,
-                     num_epochs, resume_from, training_meta, vocab_report, stop_after_steps, target)
+                     num_epochs, resume_from, training_meta, vocab_report, stop_after_steps, target, hooks)
     finally:
         if pool is not None:
             pool.close()
 
 
 def _loop(cfg, info, train_dir, model, source, pool, opt, sched, feed, draft_cfg, t2d, step, total_steps, num_epochs,
-          resume_from, training_meta, vocab_report, stop_after_steps, target) -> dict:
+          resume_from, training_meta, vocab_report, stop_after_steps, target, hooks) -> dict:
     """The loop and the final checkpoint of `_train` (features from `source`: in process or `pool`'s)."""
     import torch
 
@@ -508,11 +519,14 @@ def _loop(cfg, info, train_dir, model, source, pool, opt, sched, feed, draft_cfg
                 with open(train_dir / "log.jsonl", "a", encoding="utf-8") as f:
                     f.write(json.dumps(rec) + "\n")
                 log.info("step %d loss %.4f tau_p %.3f", step, rec["loss"], rec["tau_probabilistic"])
+            hooks.log(rec)
+        hooks.after_step(step, model)
         if cfg.checkpoint_every > 0 and step % cfg.checkpoint_every == 0 and step < total_steps:
             ckpt = save_checkpoint(train_dir, step, model, opt, sched, feed, training=training_meta,
                                    keep=cfg.keep_checkpoints)
 
     # -- checkpoint -----------------------------------------------------------------------------------------
+    hooks.after_step(step, model, final=True)  # the last step's estimate (and best) before the final checkpoint
     loop_s = time.perf_counter() - t_start
     if ckpt is None or not ckpt.name.endswith(f"{step:06d}"):
         ckpt = save_checkpoint(train_dir, step, model, opt, sched, feed, training=training_meta,
@@ -531,6 +545,7 @@ def _loop(cfg, info, train_dir, model, source, pool, opt, sched, feed, draft_cfg
         "target_memory_bytes_per_rank": target.memory_bytes,
         "history": history,
     }
+    summary.update(hooks.close(summary))
     if pool is not None:  # per rank means; rows/s of the whole job
         step_s, fetch_s, rows = float(totals[2]) / info.world_size, float(totals[3]) / info.world_size, float(totals[4])
         report = pool.report(step_s)

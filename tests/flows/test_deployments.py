@@ -55,7 +55,7 @@ def test_kimi_k3_deployment_against_a_test_server(prefect_stack, fake_openai, tm
     run_dir = tmp_path / "kimi"
     params = {"run_dir": str(run_dir), "train": False, "overrides": {
         "select.total": 24, "generate.endpoints": [url], "generate.max_in_flight": 8, "generate.max_tokens": 256,
-        "render.tokenizer": None}}
+        "render.tokenizer": None, "generate.progress_interval_s": 0.01}}
     fr = prefect_stack.deployment_run("kimi-k3", params)
     assert prefect_stack.wait_final(fr) == "COMPLETED", "\n".join(prefect_stack.logs(fr)[-30:])
 
@@ -70,6 +70,9 @@ def test_kimi_k3_deployment_against_a_test_server(prefect_stack, fake_openai, tm
     shards = json.loads((run_dir / "shards" / "manifest.json").read_text())
     assert sum(s["rows"] for s in shards["shards"]) > 0
 
+    # the generate stage's progress lines reach the flow run's logs (issue 28: no bar draws in a worker)
+    progress = [x for x in prefect_stack.logs(fr) if "generate: " in x and " units (" in x]
+    assert progress and any("100.0%" in x for x in progress), prefect_stack.logs(fr)[-20:]
     artifacts = prefect_stack.artifacts(fr)
     keys = {a["key"] for a in artifacts}
     assert {"regen-select", "regen-generate", "regen-filter", "regen-render"} <= keys
