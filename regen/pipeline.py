@@ -190,6 +190,59 @@ def run_pipeline(profile: Profile, run: RunDir, *, progress: bool = True, log=pr
     return results
 
 
+def loop_round(profile: Profile, run: RunDir, *, budget_units: int, policy: str = "weakest",
+               train_steps: int | None = None, prior_requests: float = 4.0, progress: bool = True, log=print) -> dict:
+    """One round of the data loop (issue 28): the next selection aimed at the last evaluation
+    (`regen.select.aim.next_selection`), generate (only the new prompts' units: the ledger has the rest), filter,
+    render, train from the last draft (`train.init_from`, into `<run>/train-loop-NN`, `train_steps` or
+    train.max_steps steps on every shard), evaluate it on the same held-out prompts (`<run>/eval-loop-NN.json`).
+
+    The evaluation aimed at is the previous round's (`eval-loop-(NN-1).json`), else `<run>/eval.json`; the last
+    draft is the one it measured. A round interrupted after its selection resumes at generate (the manifest's
+    `loop` record says how far it got). Returns the round's record (also in `prompts/manifest.json` and
+    `loop/round-NN.json`)."""
+    from regen.errors import InputError
+    from regen.render.stage import prompt_control_tokens
+    from regen.select.aim import update_round
+    from regen.select.stage import next_round
+    from regen.train.eval import resolve_draft_dir, run_eval
+    from regen.train.loop import run_train
+
+    render = effective_render_config(profile.render, profile.serve)
+    rounds = (run.manifest(run.prompts) or {}).get("loop") or []
+    if rounds and rounds[-1].get("status") != "done":
+        rec = rounds[-1]
+        log(f"loop round {rec['round']}: resuming after {rec['status']}")
+    else:
+        aimed = run.root / (f"eval-loop-{len(rounds):02d}.json" if rounds else "eval.json")
+        if policy == "weakest" and not aimed.exists():
+            raise InputError(f"{aimed}: no evaluation to aim at; run `regen run` with train.eval_prompts > 0 (or "
+                             "`regen eval`) first")
+        rec = next_round(profile.select, run, seed=profile.seed, eval_path=aimed if aimed.exists() else None,
+                         budget_units=budget_units, policy=policy, heldout_fraction=profile.train.heldout_fraction,
+                         prior_requests=prior_requests, control_tokens=prompt_control_tokens(render))
+        last = read_json(aimed) if aimed.exists() else None
+        rec = update_round(run, rec["round"], init_from=(last or {}).get("draft") or str(resolve_draft_dir(run.train)))
+        log(f"loop round {rec['round']} ({policy}): {rec['prompts_added']} prompts, {rec['units_added']} of "
+            f"{budget_units} units; reasoning in {run.root / rec['reasoning']}")
+    step_generate(profile.generate, profile.serve, run, progress=progress, log=log)
+    step_filter(render, run, progress=progress)
+    step_render(render, run, progress=progress)
+    name = f"{rec['round']:02d}"
+    cfg = profile.train.model_copy(update={"init_from": rec["init_from"], "seed": profile.train.seed
+                                           if profile.train.seed is not None else profile.seed,
+                                           **({"max_steps": train_steps} if train_steps else {})})
+    summary = run_train(cfg, run, train_dir=run.root / f"train-loop-{name}")
+    ev = run_eval(cfg, run, draft_dir=run.root / f"train-loop-{name}", seed=cfg.seed,
+                  num_prompts=cfg.eval_prompts or 32, max_new_tokens=cfg.eval_max_new_tokens, progress=False,
+                  out_path=run.root / f"eval-loop-{name}.json")  # the same held-out prompts as eval.json
+    rec = update_round(run, rec["round"], status="done", train_dir=f"train-loop-{name}", steps=summary["steps"],
+                       eval=f"eval-loop-{name}.json", acc_len=ev["trained"]["acc_len"],
+                       acc_len_per_request=ev["trained"].get("acc_len_per_request"))
+    log(f"loop round {rec['round']}: {eval_line(ev)}")
+    return rec
+
+
 def eval_line(ev: dict) -> str:
     """One line: acc_len trained vs untrained (and any compared drafts) on n held-out prompts."""
     if "skipped" in ev:
@@ -224,6 +277,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     add_profile_arguments(parser)
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    g = parser.add_argument_group("the data loop (after the main job; docs/train.md, the data loop)")
+    g.add_argument("--loop-rounds", type=int, default=0, metavar="R", help="rounds of the loop after the main job: "
+                   "aim the next selection at the weakest cells, generate only it, train on from the last draft")
+    g.add_argument("--loop-budget-units", type=int, default=None, metavar="N", help="new generation units per round")
+    g.add_argument("--loop-policy", choices=("weakest", "mix"), default="weakest",
+                   help="weakest (default) or mix: the profile's stated mix (the control arm)")
+    g.add_argument("--loop-train-steps", type=int, default=None, metavar="S",
+                   help="steps each round trains on from the last draft (default train.max_steps)")
 
 
 def main(args) -> int:
@@ -232,7 +293,14 @@ def main(args) -> int:
     profile, run = load_profile_from_args(args)
     print(f"regen run: profile {profile.name}, run directory {run.root}", flush=True)
     t0 = time.time()
+    if getattr(args, "loop_rounds", 0) and not args.loop_budget_units:
+        from regen.errors import InputError
+
+        raise InputError("--loop-rounds needs --loop-budget-units N: the new generation units of each round")
     results = run_pipeline(profile, run, progress=not args.no_progress)
+    for _ in range(getattr(args, "loop_rounds", 0)):
+        loop_round(profile, run, budget_units=args.loop_budget_units, policy=args.loop_policy,
+                   train_steps=args.loop_train_steps, progress=not args.no_progress)
     print(f"\nregen run: finished in {time.time() - t0:.0f}s: {run.root}")
     print_summary(run)
     gen = results.get("generate") or {}

@@ -183,6 +183,21 @@ def check_train(profile: Profile, rep: Report) -> None:
     rep.ok(f"train.target {path}: config.json loads ({layers} layers)")
     if t.features == "producers":
         check_features(t, text, rep)
+    if t.init_from:  # the warm start's draft is read (and checked against the draft) when training starts
+        from regen.train.warm_start import read_init
+
+        try:
+            init = read_init(resolve_path(t.init_from))
+            rep.ok(f"train.init_from {t.init_from}: a {init.layout} draft, {len(init.tensors)} tensors")
+        except InputError as exc:
+            rep.bad(str(exc))
+    if t.tracking:
+        from regen.train.tracking import check_backends
+
+        try:
+            check_backends(list(t.tracking))
+        except InputError as exc:
+            rep.bad(str(exc))
 
 
 def check_features(t, target_config: dict, rep: Report) -> None:

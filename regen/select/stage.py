@@ -529,6 +529,27 @@ def print_mix(manifest: dict) -> None:
     con.print("drops: " + ", ".join(f"{k} {v:,}" for k, v in manifest["filters"].items() if v))
 
 
+def eligible_pool(cfg: SelectConfig, run: RunDir, seed: int, control_tokens=()) -> pa.Table:
+    """Every eligible prompt of `cfg`'s sources (this stage with no quota: filters, dedup and control tokens as
+    the selection had them), written under `<run>/loop/pool/` and resumed there while nothing changed."""
+    every = cfg.model_copy(update={"total": 10 ** 12, "shortfall_policy": "report_only", "min_category_fill": 0.0,
+                                   "on_category_shortfall": "warn", "modes": {}})
+    pool = RunDir.at(run.root / "loop" / "pool")
+    manifest = run_select(every, pool, seed=seed, progress=False, control_tokens=control_tokens)
+    parts = [pool.prompts / p["path"] for p in manifest["parts"]]
+    import pyarrow.parquet as pq
+
+    return pa.concat_tables([pq.read_table(p, schema=PROMPT_SCHEMA) for p in parts]) if parts \
+        else PROMPT_SCHEMA.empty_table()
+
+
+def next_round(cfg: SelectConfig, run: RunDir, *, seed: int, control_tokens=(), **kwargs) -> dict:
+    """The next round of the data loop on `run`: `regen.select.aim.next_selection` over `eligible_pool`."""
+    from regen.select.aim import next_selection
+
+    return next_selection(cfg, run, eligible_pool(cfg, run, seed, control_tokens), seed=seed, **kwargs)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from regen.config import add_profile_arguments
 
@@ -539,6 +560,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a source file that cannot be read: fail naming every bad file (default, "
                              "select.on_bad_file) or skip it")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g = parser.add_argument_group("the next selection (regen.select.aim): more prompts where the draft is weakest")
+    g.add_argument("--budget-units", type=int, default=None, metavar="N",
+                   help="add a round of at most N new generation units to the run's selection (instead of selecting)")
+    g.add_argument("--policy", choices=("weakest", "mix"), default="weakest",
+                   help="weakest: where the evaluation's acc_len is lowest (default); mix: the profile's stated mix")
+    g.add_argument("--eval", default=None, metavar="PATH", help="the evaluation to aim at (default <run>/eval.json)")
+    g.add_argument("--prior-requests", type=float, default=4.0,
+                   help="pseudo-requests shrinking each cell's acc_len toward its category's (default 4)")
 
 
 def main(args) -> int:
@@ -552,6 +581,13 @@ def main(args) -> int:
     if getattr(args, "on_bad_file", None):
         cfg = cfg.model_copy(update={"on_bad_file": args.on_bad_file})
     tokens = prompt_control_tokens(effective_render_config(profile.render, profile.serve))
+    if getattr(args, "budget_units", None) is not None:
+        rec = next_round(cfg, run, seed=profile.seed, eval_path=args.eval, budget_units=args.budget_units,
+                         policy=args.policy, heldout_fraction=profile.train.heldout_fraction,
+                         prior_requests=args.prior_requests, control_tokens=tokens)
+        print(f"loop round {rec['round']} ({rec['policy']}): {rec['prompts_added']:,} prompts, "
+              f"{rec['units_added']:,} of {rec['budget_units']:,} units; reasoning in {run.root / rec['reasoning']}")
+        return 0
     manifest = run_select(cfg, run, seed=profile.seed, extra_sources=args.source,
                           progress=not args.no_progress, control_tokens=tokens)
     print_mix(manifest)

@@ -107,3 +107,11 @@ def test_the_runs_own_checkpoint_wins_on_resume(tiny_run, tmp_path, caplog):
         s = run_train(train_cfg(profile, max_steps=2, checkpoint_every=0, init_from=first["checkpoint"]),
                       RunDir.at(run2))
     assert s["steps"] == 2 and "init_from" in caplog.text and "ignored: resuming" in caplog.text
+
+
+def test_preflight_names_a_missing_warm_start_before_any_request(tmp_path):
+    from regen.preflight import check_profile
+
+    profile = load_profile("local", {"train.init_from": str(tmp_path / "nope")})
+    rep = check_profile(profile, RunDir.at(tmp_path / "run"), network=False)
+    assert any(p.startswith("train.init_from") and "no draft there" in p for p in rep.problems), rep.problems
