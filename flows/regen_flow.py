@@ -5,7 +5,7 @@ sub-config (the same step functions as `regen run`, `regen.pipeline`). No stage 
                retry_errors=False, retry_classes=None, repair=False)
       preflight (every stage's configuration, `regen.preflight`) -> select -> generate (inside the embedded
       target when serve.enabled) -> filter -> render -> train (optional)
-      -> eval (when train.eval_prompts > 0)
+      -> eval (when train.eval_prompts > 0) -> serve (when serve.engine_eval: regen engine-eval)
 
 Resume is the stages' own (exactly-once by request key, manifests and cursors), not Prefect's result cache:
 tasks have no cache policy and persist no results, so rerunning the flow on the same `run_dir` finishes what
@@ -148,6 +148,16 @@ def eval_task(train: TrainConfig, run_dir: str) -> dict:
     return plain
 
 
+@task(name="serve", **TASK_OPTIONS)
+def engine_eval_task(prof, run_dir: str) -> dict:
+    """The trained draft served by llama.cpp beside the embedded target (regen engine-eval, docs/serve.md)."""
+    result = pipeline.step_engine_eval(prof, _run(run_dir))
+    counts = {k: v for k, v in summary.stage_counts(_run(run_dir).root).items() if k.startswith("serve")}
+    _publish("serve", "\n".join(summary.dict_markdown(v, k) for k, v in counts.items()),
+             "the draft served by llama.cpp: acc_len and speedup")
+    return {"by_gguf_type": sorted(result.get("by_gguf_type", {}))}
+
+
 @flow(name="regen", log_prints=True, persist_result=False)
 def regen(profile: str = "local", run_dir: str = "runs/local", overrides: dict[str, Any] | None = None,
           train: bool | None = None, retry_errors: bool = False, retry_classes: list[str] | None = None,
@@ -174,6 +184,8 @@ def regen(profile: str = "local", run_dir: str = "runs/local", overrides: dict[s
         out["train"] = train_task(prof.train, run_dir)
         if prof.train.eval_prompts > 0:
             out["eval"] = eval_task(prof.train, run_dir)
+            if prof.serve.engine_eval and prof.serve.enabled and "skipped" not in out["eval"]:
+                out["serve"] = engine_eval_task(prof, run_dir)
     return out
 
 

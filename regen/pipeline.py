@@ -11,6 +11,9 @@ Steps (each calls one stage entry with its sub-config), after `regen.preflight.p
   train     regen.train.loop.run_train(profile.train, run)               (only when `train.enabled`)
   eval      regen.train.eval.run_eval(profile.train, run, draft_dir=run.train) (when `train.eval_prompts` > 0:
             acc_len of the trained draft and of an untrained one on held-out prompts -> <run>/eval.json)
+  serve     regen.serve.engines.spec_eval.run_engine_eval(profile, run) (when `serve.engine_eval`): the draft
+            exported for llama.cpp and served beside the embedded target; the engine's acc_len and the speedup
+            -> <run>/engine-eval.json (docs/serve.md)
 then prints the stage counts and runs the DuckDB mix query (`regen.report.summary.MIX_SQL`) over the run's views.
 
 Resume: each stage resumes from its own outputs (select: same config hash + seed returns its manifest; generate:
@@ -34,7 +37,7 @@ from regen.preflight import effective_render_config, generation_complete, prefli
 from regen.rundir import RunDir
 from schemas.io import read_json, sha256_file, write_json_atomic
 
-STEPS = ("select", "generate", "filter", "render", "train", "eval")
+STEPS = ("select", "generate", "filter", "render", "train", "eval", "serve")
 
 
 def step_select(select: SelectConfig, run: RunDir, *, seed: int, progress: bool = True,
@@ -136,6 +139,27 @@ def step_eval(train: TrainConfig, run: RunDir) -> dict:
     return out
 
 
+def step_engine_eval(profile: Profile, run: RunDir, *, log=print) -> dict:
+    """The round trip (`regen.serve.engines.spec_eval.run_engine_eval`): the run's latest draft served by llama.cpp
+    beside the embedded target. A rerun whose engine-eval.json measured the same weights with the same settings
+    returns it without serving again."""
+    from regen.serve.engines.draft import resolve_step_folder
+    from regen.serve.engines.spec_eval import headline, run_engine_eval
+
+    draft = resolve_step_folder(run.train)
+    types = tuple(profile.serve.engine_eval_gguf_types)
+    done = read_json(run.root / "engine-eval.json")
+    launch = read_json(run.root / "export" / "llama.cpp" / "launch.json") or {}
+    if (done and done.get("draft") == str(draft) and done.get("max_new_tokens") == profile.train.eval_max_new_tokens
+            and sorted(done.get("by_gguf_type", {})) == sorted(types)
+            and (launch.get("draft") or {}).get("model_safetensors_sha256") == sha256_file(draft / "model.safetensors")):
+        log(headline(done))
+        return done
+    res = run_engine_eval(profile, run, draft_dir=draft, gguf_types=types, log=log)
+    log(headline(res))
+    return res
+
+
 @contextmanager
 def _timed(record: dict, name: str, log):
     t0 = time.time()
@@ -178,6 +202,9 @@ def run_pipeline(profile: Profile, run: RunDir, *, progress: bool = True, log=pr
                 with _timed(timings, "eval", log):
                     results["eval"] = step_eval(profile.train, run)
                     log(eval_line(results["eval"]))
+            if profile.serve.engine_eval and profile.serve.enabled and "skipped" not in results.get("eval", {}):
+                with _timed(timings, "serve", log):
+                    results["serve"] = step_engine_eval(profile, run, log=log)
         session["status"] = "completed"
     except BaseException as exc:
         session["status"] = f"failed: {type(exc).__name__}"

@@ -18,8 +18,8 @@
    turn) their requests, output tokens and kept rows per requested unit, supervised tokens per row, the
    real/estimated prompt-side ratio, per turn kind (`turn_kind`) the rate at which a conversation goes on after
    a turn (P(reached) of later turns), and shard bytes per token replace the assumptions (labelled `pilot`).
-5. Prints a table and writes `<run>/plan.json`. When the pool holds fewer prompts than `select.total`, every
-   count is scaled by `select.total / selected` (labelled in the output).
+5. Prints a table, and the serving engines that can load the draft the profile trains (`regen.serve.engines`),
+   and writes `<run>/plan.json`. A pool short of `select.total` prompts scales every count by total / selected.
 
 Formulas (printed with the figures):
   requests        = units x requests_per_unit
@@ -30,12 +30,12 @@ Formulas (printed with the figures):
     weights       = 4 B x P_trainable / W + 2 B x P_frozen
     gradients     = 4 B x P_trainable / W
     optimizer     = 8 B x P_trainable / W   (AdamW exp_avg + exp_avg_sq, fp32)
+    (the target's own weights and activations are not included)
     activations   = T x taps x H_target x 2 B (tap hidden states, bf16)
                     + L x Q x H x 34 B (per-layer activations, Korthikanti et al. 2022 "Reducing Activation
                       Recomputation", s.h.34 at 16-bit without the attention-score term) + Q x V_out x 4 B (fp32
                       logits, unchunked upper bound); T = train.max_tokens per micro-batch, Q = num_anchors x
                       block_size query positions, L draft layers, H draft hidden size
-    (the target's own weights and activations are not included)
   training FLOPs  = 6 x P_trainable x D + 2 x N_target_active x D (draft forward+backward per token, Kaplan et
                     al. 2020; target forward only), D = training tokens = shard tokens x train.epochs
   training time   = FLOPs / (W x gpu_peak_tflops x 1e12 x mfu)
@@ -57,6 +57,7 @@ from regen.report.cells import cell_plan, mode_factor, out_tokens, print_cells, 
 from regen.train.features.plan import feature_plan
 from regen.preflight import PreflightError, check_profile, effective_render_config
 from regen.rundir import RunDir
+from regen.serve.engines import serving_rows, support_report
 from schemas.io import write_json_atomic
 
 GiB = 1024 ** 3
@@ -344,7 +345,7 @@ def draft_plan(profile: Profile, a, shard_tokens: float) -> dict:
             "producers' GPUs)" if producers else f" + 2 x {int(n_target):,} x {int(D):,}"
             + ("" if n_target else " (target forward not counted: plan.target_active_params is 0)"))),
         "producer_flops": target_flops if producers else 0.0,
-        "training_hours": round(seconds / 3600, 2),
+        "training_hours": round(seconds / 3600, 2), "serving": support_report(cfg),
         "time_formula": f"FLOPs / ({W} x {a['gpu_peak_tflops']} TFLOPS x {a['mfu']} MFU)",
     }
 
@@ -562,7 +563,7 @@ def print_plan(plan: dict) -> None:
         from regen.train.features.plan import rows as feature_rows
 
         rows += feature_rows(plan["features"])
-    print_table(["figure", "value", "how"], rows, title="plan")
+    print_table(["figure", "value", "how"], rows + serving_rows(d.get("serving")), title="plan")
     print_cells(plan.get("cells") or {})
     for p in plan["preflight_problems"]:
         print(f"preflight (would stop `regen run`): {p}")

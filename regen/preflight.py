@@ -181,6 +181,7 @@ def check_train(profile: Profile, rep: Report) -> None:
         rep.bad(f"train.target_layer_ids {t.target_layer_ids}: the target {path} has {layers} layers (ids 0..{layers - 1})")
         return
     rep.ok(f"train.target {path}: config.json loads ({layers} layers)")
+    check_serving(t, text, rep)
     if t.features == "producers":
         check_features(t, text, rep)
     if t.init_from:  # the warm start's draft is read (and checked against the draft) when training starts
@@ -198,6 +199,33 @@ def check_train(profile: Profile, rep: Report) -> None:
             check_backends(list(t.tracking))
         except InputError as exc:
             rep.bad(str(exc))
+
+
+def check_serving(t, target_config: dict, rep: Report) -> None:
+    """The draft this profile will train, against every serving engine's contract (regen.serve.engines): a problem
+    when an engine of `train.serve_engines` refuses it, or when no engine can serve it at all."""
+    from types import SimpleNamespace
+
+    from regen.serve.engines import support
+    from regen.train.loop import build_draft_config
+
+    try:
+        cfg = build_draft_config(t, SimpleNamespace(**target_config))
+    except (InputError, ValueError, TypeError) as exc:
+        rep.bad(f"train: the draft config does not build: {exc}")
+        return
+    refused = support(cfg)
+    serves = [name for name, r in refused.items() if not r]
+    for name in t.serve_engines:
+        if refused[name]:
+            rep.bad(f"train.serve_engines lists {name}, which cannot serve the draft this profile trains: "
+                    + "; ".join(r.line() for r in refused[name]))
+    if not serves:
+        rep.bad("train: no serving engine can load the draft this profile trains (docs/serve.md): "
+                + "; ".join(r.line() for rs in refused.values() for r in rs))
+    elif not any(refused[name] for name in t.serve_engines):
+        rep.ok(f"train: the draft will load in {', '.join(serves)}"
+               + (f" (not in {', '.join(n for n in refused if n not in serves)})" if len(serves) < len(refused) else ""))
 
 
 def check_features(t, target_config: dict, rep: Report) -> None:

@@ -51,6 +51,12 @@ class ServeConfig(BaseModel):
                               "(render.max_tokens keeps no more)")
     poll: int = Field(0, ge=0, le=100, description="llama.cpp: spin-wait of idle compute threads (--poll); 0 = "
                       "sleep")
+    engine_eval: bool = Field(False, description="`regen run` ends with `regen engine-eval`: the trained draft "
+                              "exported for llama.cpp and served beside this target, acceptance read from the "
+                              "engine's counters (docs/serve.md); needs engine llama.cpp and train.eval_prompts > 0")
+    engine_eval_gguf_types: list[Literal["q8_0", "f16", "f32"]] = Field(
+        default_factory=lambda: ["q8_0"], description="the engine weight types `regen engine-eval` serves the target "
+        "with in `regen run` (q8_0: served; f32: the trainer's weights exactly)")
 
     @field_validator("host")
     @classmethod

@@ -122,6 +122,10 @@ class TrainConfig(BaseModel):
     draft_vocab_size: int = Field(default=0, ge=0, description="a reduced output vocabulary (EAGLE-3 d2t/t2d): the N "
                                   "most frequent supervised tokens of the training shards; targets outside it leave "
                                   "the loss; 0 = the target's full vocabulary (K3 serving)")
+    serve_engines: list[Literal["tokenspeed", "vllm", "sglang", "llama.cpp"]] = Field(
+        default_factory=list, description="the serving engines the trained draft must load in: preflight and `regen "
+        "plan` stop a profile whose draft one of them cannot represent (docs/serve.md); empty: only a draft no "
+        "engine serves is a problem")
     draft: dict = Field(default_factory=dict, description="DSparkConfig field overrides on top of the preset (e.g. "
                         "`{hidden_size: 7168, num_hidden_layers: 5}`)")
     # objective (spec §5)

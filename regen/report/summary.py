@@ -147,6 +147,20 @@ def stage_counts(run_root: str | Path) -> dict:
         if "drift" in m:
             out["render"]["drift_rate"] = m["drift"].get("rate")
             out["render"]["drift_rows_checked"] = m["drift"].get("rows_checked")
+    m = read_json(root / "eval.json")
+    if m:
+        out["eval"] = {f"acc_len_{k}": (m.get(k) or {}).get("acc_len") for k in m.get("drafts", {})}
+        out["eval"]["num_prompts"] = m.get("num_prompts")
+    m = read_json(root / "engine-eval.json")
+    if m:  # the draft served by a real engine (regen engine-eval, docs/serve.md)
+        for qtype, r in (m.get("by_gguf_type") or {}).items():
+            sp, ll = r.get("speed", {}), r.get("lossless", {})
+            out[f"serve ({m.get('engine')} {qtype})"] = {
+                "acc_len_engine": (r.get("engine") or {}).get("acc_len"),
+                "acc_len_regen_replay": ((m.get("regen") or {}).get("engine_budget_rule") or {}).get("acc_len"),
+                "tokens_per_s_target_alone": sp.get("tokens_per_s_target_alone"),
+                "tokens_per_s_with_draft": sp.get("tokens_per_s_with_draft"), "speedup": sp.get("speedup"),
+                "answers_identical": f"{ll.get('identical')}/{ll.get('num_prompts')}"}
     return out
 
 

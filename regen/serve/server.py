@@ -329,6 +329,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=None, help="port (default: serve.port; 0 = a free port)")
     parser.add_argument("--log", default=None, help="server log file (default: a temporary file)")
     parser.add_argument("--check", action="store_true", help="start, answer one request, print it, stop")
+    parser.add_argument("--draft", default=None, help="llama.cpp: serve with DSpark speculative decoding, this draft "
+                        "GGUF (regen export-draft --engine llama.cpp writes it); acceptance on /metrics")
 
 
 def main(args) -> int:
@@ -336,7 +338,13 @@ def main(args) -> int:
 
     profile = load_profile(args.profile, args.overrides)
     cfg = profile.serve if args.port is None else profile.serve.model_copy(update={"port": args.port})
-    with EmbeddedTarget(cfg, log_path=args.log, sampling=sampling(profile.generate)) as target:
+    draft_n_max = 7
+    if args.draft:
+        from regen.serve.engines.draft import draft_block_size
+
+        draft_n_max = draft_block_size(args.draft)
+    with EmbeddedTarget(cfg, log_path=args.log, sampling=sampling(profile.generate), draft=args.draft,
+                        draft_n_max=draft_n_max) as target:
         info = {"base_url": target.base_url, "model": target.model, "engine": target.engine, "pid": target.pid,
                 "log": str(target.log_path), "ready_s": round(target.ready_s, 1)}
         print(json.dumps(info), flush=True)

@@ -75,6 +75,14 @@ def test_training_ran_when_the_profile_enables_it(local_run):
         ev = json.loads((run / "eval.json").read_text())
         assert ev["num_prompts"] >= 1 and ev["trained"]["acc_len"] >= 1.0 and ev["untrained"]["acc_len"] >= 1.0
         assert f"acc_len on {ev['num_prompts']} held-out prompts" in stdout
+        # the round trip closes the main job (issue 25): the draft served by llama.cpp, its acceptance and speedup
+        assert "== serve done" in stdout and "llama.cpp q8_0: acc_len" in stdout
+        ee = json.loads((run / "engine-eval.json").read_text())
+        q8 = ee["by_gguf_type"]["q8_0"]
+        assert ee["num_prompts"] == ev["num_prompts"] and q8["engine"]["num_rounds"] > 0
+        assert q8["speed"]["tokens_per_s_target_alone"] > 0 and q8["lossless"]["num_prompts"] == ev["num_prompts"]
+        assert (run / "export" / "llama.cpp" / "draft-dspark.gguf").exists()
+        assert "serve (llama.cpp q8_0)" in stdout  # the run's summary table shows it
 
 
 def test_every_category_is_present_and_query_prints_the_mix(local_run):

@@ -50,6 +50,12 @@ def test_kimi_k3_plans_without_a_request(k3_env, monkeypatch, tmp_path, capsys):
     assert f["producer_engines"] == -(-int(rows_s * f["tokens_per_row_mean"]) // 40000)
     assert f["producer_gpus"] == 16 * f["producer_engines"] and "(assumed)" in f["balance_formula"]
     assert "feature bytes / token" in out and "84.0 KiB" in out
+    # issue 25: which engines load the draft this profile trains, before 36 hours of training
+    sv = d["serving"]
+    assert sv["tokenspeed"]["serves"] and sv["tokenspeed"]["version"] == "tokenspeed==0.1.1"
+    assert not sv["vllm"]["serves"] and "fc_norm" in sv["vllm"]["refusals"][0]
+    assert not sv["llama.cpp"]["serves"] and not sv["sglang"]["serves"]
+    assert "served by tokenspeed" in out and "served by vllm" in out
     # the mix's length bands and modes are counted (issue 28): every cell, its units, each mode's output tokens
     cells = plan["cells"]["cells"]
     assert {c["mode"] for c in cells} == {"think_max", "think_low", "no_think"}
@@ -72,6 +78,8 @@ def test_local_plans_without_a_request(tmp_path):
     assert plan["prompt_tokens"]["renderer"] == "hf" and plan["prompt_tokens"]["render_errors"] == 0
     assert plan["units"] >= plan["prompts"] == 60 and plan["pilot"] is None
     assert plan["draft"]["params_trainable"] > 0 and plan["draft"]["target_config"].startswith("measured")
+    assert plan["draft"]["serving"]["llama.cpp"]["serves"] and plan["draft"]["serving"]["vllm"]["serves"]
+    assert not plan["draft"]["serving"]["sglang"]["serves"]  # the 4,096-token draft vocabulary
     assert not (tmp_path / "run" / "generations").exists()
     f = plan["features"]  # in process: the whole target in the rank, counted in its checkpoint
     assert f["features_from"] == "in_process" and "counted in its checkpoint" in f["target_memory_formula"]

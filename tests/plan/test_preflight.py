@@ -111,3 +111,30 @@ def test_flow_runs_the_same_preflight_first():
     src = inspect.getsource(regen_flow.regen.fn)
     assert src.index("preflight_task(") < src.index("select_task(")
     assert "pipeline.preflight(" in inspect.getsource(regen_flow.preflight_task.fn)
+
+
+def test_the_draft_the_profile_will_train_is_checked_against_every_serving_engine(server, k3_env, tmp_path):
+    """Issue 25, point 2: a draft its listed engine cannot load, or that no engine loads, stops the run first."""
+    run = RunDir.at(tmp_path / "run")
+    rep = check_profile(profile_for(server.base_url), run)
+    assert not rep.problems and any("the draft will load in tokenspeed" in c for c in rep.checks), rep.checks
+    # the K3 draft with a reduced vocabulary: TokenSpeed (listed) refuses it, naming the field and the remedy
+    rep = check_profile(profile_for(server.base_url, **{"train.draft_vocab_size": 4096}), run)
+    assert any("train.serve_engines lists tokenspeed" in p and "draft_vocab_size=4096" in p
+               and "train.draft_vocab_size: 0" in p for p in rep.problems), rep.problems
+    # listed vllm: fc_norm is the reason; remedy TokenSpeed or fc_norm false
+    rep = check_profile(profile_for(server.base_url, **{"train.serve_engines": ["vllm"]}), run)
+    assert any("vllm: fc_norm=True" in p and "TokenSpeed >= 0.1.1" in p for p in rep.problems), rep.problems
+    # nothing listed, and nothing can load it: still a problem, every engine's reasons listed
+    rep = check_profile(profile_for(server.base_url, **{"train.serve_engines": [], "train.draft_vocab_size": 4096,
+                                                        "train.draft": {"q_lora_rank": 0}}), run)
+    assert any("no serving engine can load" in p and "llama.cpp" in p and "sglang" in p for p in rep.problems)
+
+
+def test_the_local_profile_trains_a_draft_llama_cpp_serves(tmp_path):
+    rep = check_profile(load_profile("local"), RunDir.at(tmp_path / "run"), network=False)
+    assert any("the draft will load in" in c and "llama.cpp" in c for c in rep.checks), rep.checks
+    rep = check_profile(load_profile("local", {"train.attention_type": "mla", "train.fc_norm": True}),
+                        RunDir.at(tmp_path / "run"), network=False)
+    line = next(p for p in rep.problems if "train.serve_engines lists llama.cpp" in p)
+    assert "attention_type='mla'" in line and "fc_norm=True" in line and "train.fc_norm: false" in line

@@ -60,3 +60,10 @@ def export_draft(draft: str | Path, engine: str, out: str | Path, *, target_gguf
                              "(the local profile's: data/models/smollm2-135m/engine-q8_0.gguf)")
         kwargs["target_gguf"] = Path(target_gguf)
     return ENGINES[engine].export(ckpt, Path(out), **kwargs)
+
+
+def serving_rows(report: dict | None) -> list[list[str]]:
+    """`regen plan`'s table rows for a `support_report`: one per engine (figure, value, how)."""
+    return [[f"served by {name}", "yes" if s["serves"] else "no",
+             s["version"] + ("" if s["serves"] else ": " + "; ".join(s["refusals"]))]
+            for name, s in (report or {}).items()]

@@ -146,12 +146,33 @@ def write_launch(folder: Path, launch: dict) -> None:
     """`launch.json` (the whole launch record) and `launch.sh` (its `command`, shell-quoted, with its `env`)."""
     (folder / "launch.json").write_text(json.dumps(launch, indent=2) + "\n")
     env = "".join(f"export {k}={shlex.quote(str(v))}\n" for k, v in launch.get("env", {}).items())
-    cmd = " \\\n  ".join(shlex.quote(str(a)) for a in launch["command"])
+    parts, line = [], []
+    for a in launch["command"]:  # one option and its value per line
+        if str(a).startswith("-") and line:
+            parts.append(" ".join(line))
+            line = []
+        line.append(shlex.quote(str(a)))
+    cmd = " \\\n  ".join(parts + [" ".join(line)])
     notes = "".join(f"# {line}\n" for line in launch.get("notes", []))
     script = folder / "launch.sh"
     script.write_text(f"#!/usr/bin/env bash\n# {launch['engine']} {launch['engine_version']}: written by regen "
                       f"export-draft (docs/serve.md)\n{notes}set -euo pipefail\n{env}{cmd}\n")
     os.chmod(script, 0o755)
+
+
+def draft_block_size(gguf_path: str | Path) -> int:
+    """`dflash.block_size` of a draft GGUF: the tokens a round must draft (llama.cpp's n_max). InputError when the
+    file is missing or is not a DSpark draft GGUF."""
+    import gguf
+
+    p = Path(gguf_path)
+    if not p.is_file():
+        raise InputError(f"--draft {p}: not found; write it with `regen export-draft --engine llama.cpp`")
+    fields = gguf.GGUFReader(str(p)).fields
+    if "dflash.block_size" not in fields:
+        raise InputError(f"--draft {p}: not a DSpark draft GGUF (no dflash.block_size); write it with `regen "
+                         "export-draft --engine llama.cpp`")
+    return int(fields["dflash.block_size"].contents())
 
 
 def provenance(ckpt: DraftCheckpoint) -> dict:

@@ -234,7 +234,7 @@ def export(ckpt: DraftCheckpoint, out: Path, *, target_gguf: Path, target_path: 
         head = target_lm_head(target_path or ckpt.training.get("target"))
     tmp = staging_dir(Path(out))
     write_gguf(ckpt, tmp / GGUF_NAME, Path(target_gguf), head)
-    record = {**launch(cfg, GGUF_NAME, str(target_gguf)), "draft": provenance(ckpt),
+    record = {**launch(cfg, str(Path(out).resolve() / GGUF_NAME), str(target_gguf)), "draft": provenance(ckpt),
               "files": [GGUF_NAME, "launch.json", "launch.sh"]}
     write_launch(tmp, record)
     replace_dir(tmp, Path(out))

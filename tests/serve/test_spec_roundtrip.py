@@ -1,0 +1,180 @@
+"""The round trip on this machine (issue 25, point 4): a draft trained by regen's trainer on the embedded target's
+own greedy answers, exported for llama.cpp, served beside the target through llama.cpp's DSpark speculative
+decoding; acceptance read from the engine's counters and checked against regen's replay of the same prompts.
+
+The training data is a one-sample-per-prompt overfit (SpecForge's serving gate, #721): 8 prompts, the target's
+greedy continuation of each, a few hundred steps. The draft then predicts those continuations well, so a correct
+export must show a high engine acc_len, equal to regen's within the stated tolerance, and every broken export
+(taps shifted by one, fc_norm dropped) must show a measurably lower one: the comparison can fail.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests" / "train"))
+
+from train_helpers import ShardWriter, write_profile  # noqa: E402
+
+from regen.config import load_profile  # noqa: E402
+from regen.config.serve import ServeConfig  # noqa: E402
+from regen.rundir import RunDir  # noqa: E402
+from regen.serve.engines import export_draft, llama_cpp as gguf_export  # noqa: E402
+from regen.serve.engines.draft import load_draft_checkpoint  # noqa: E402
+from regen.serve.engines.spec_eval import (AGREEMENT_TOLERANCE, lossless, regen_side, serve_and_measure,  # noqa: E402
+                                           summarize_engine)
+from regen.serve.llama_cpp import version as xllamacpp_version  # noqa: E402
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(xllamacpp_version() is None, reason="xllamacpp is not installed (scripts/setup.sh)")]
+
+PROMPTS = ["Write a short poem about the sea.", "Explain what a binary search does.",
+           "List three uses of a paperclip.", "What is the capital of France? Answer in one sentence.",
+           "Give me a tip for learning to cook.", "Describe a sunset in two sentences.",
+           "Why is the sky blue?", "Write a haiku about winter."]
+NEW_TOKENS = 48
+SERVE = ServeConfig(engine="llama.cpp", parallel=1, ctx_per_slot=1024, threads=2)
+
+
+@pytest.fixture(scope="module")
+def overfit(tmp_path_factory, model_dir):
+    """(run dir, prompts, profile path): shards of the target's own greedy answers to PROMPTS."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    root = tmp_path_factory.mktemp("roundtrip")
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    rows, prompts = [], []
+    for i, text in enumerate(PROMPTS):
+        ids = list(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                           tokenize=True, return_dict=True)["input_ids"])
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS + 16, do_sample=False,
+                                 pad_token_id=tok.eos_token_id)[0].tolist()
+        n, P = len(out), len(ids)
+        rows.append({"sample_id": f"s{i}", "prompt_id": f"p{i}", "turn": 0, "category": "general", "language": "en",
+                     "input_ids": out, "loss_spans": [{"start": P, "end": n}], "num_tokens": n,
+                     "num_loss_tokens": n - P})
+        prompts.append({"prompt_id": f"p{i}", "category": "general", "prompt_ids": ids})
+    writer = ShardWriter(root / "run")
+    writer.add(rows, complete=True)
+    return root / "run", prompts, root
+
+
+def train(root: Path, run: Path, name: str, **train_overrides) -> Path:
+    """regen's trainer on the overfit shards with the local profile's draft settings; returns the step folder."""
+    from regen.train.loop import run_train
+
+    local = load_profile("local").train
+    settings = dict(target_layer_ids=list(local.target_layer_ids), mask_token_id=local.mask_token_id,
+                    attention_type=local.attention_type, fc_norm=local.fc_norm, markov_rank=local.markov_rank,
+                    draft_vocab_size=1024, num_anchors=32, max_len=192, max_tokens=384, max_batch=2, lr=5e-3,
+                    max_steps=160, log_every=40, dtype="float32", target_dtype="float32")
+    settings.update(train_overrides)
+    profile = write_profile(root / f"{name}.yaml", local_target(), **settings)
+    cfg = load_profile(str(profile)).train
+    out = RunDir.at(str(run.parent / name))
+    out.root.mkdir(parents=True, exist_ok=True)
+    if not (out.root / "shards").exists():
+        (out.root / "shards").symlink_to(run / "shards", target_is_directory=True)
+    run_train(cfg, out)
+    return out.train
+
+
+def untrained_like(step: Path, out: Path) -> Path:
+    """A freshly initialised draft of `step`'s config and draft vocabulary (the target's frozen head), saved."""
+    from transformers import AutoModelForCausalLM
+
+    from regen.train.model import DSparkDraft, load_draft, save_draft
+
+    target = AutoModelForCausalLM.from_pretrained(local_target(), dtype=torch.float32)
+    trained = load_draft(step, target_model=target)
+    torch.manual_seed(1)
+    save_draft(DSparkDraft.from_target(target, trained.config, draft_vocab=trained.draft_vocab()), out)
+    return out
+
+
+def local_target() -> Path:
+    from regen.config import resolve_path
+
+    return resolve_path(ServeConfig().model_dir)
+
+
+def engine_run(gguf: Path | None, prompts, root: Path, tag: str, gguf_type: str = "q8_0"):
+    return serve_and_measure(SERVE.model_copy(update={"gguf_type": gguf_type}), prompts, NEW_TOKENS, draft_gguf=gguf,
+                             log_path=root / f"{tag}.log", n_probs=2 if gguf is None else 0)
+
+
+def write_broken(step: Path, out: Path, *, shift_taps: int = 0, drop_fc_norm: bool = False) -> Path:
+    """A deliberately wrong llama.cpp export (bypassing regen's refusals): taps shifted, or fc_norm dropped."""
+    import dataclasses
+
+    ckpt = load_draft_checkpoint(step)
+    cfg = ckpt.config
+    if shift_taps:
+        cfg = dataclasses.replace(cfg, target_layer_ids=tuple(i + shift_taps for i in cfg.target_layer_ids))
+    if drop_fc_norm:
+        cfg = dataclasses.replace(cfg, fc_norm=False)
+        ckpt.tensors = {k: v for k, v in ckpt.tensors.items() if not k.startswith("fc_norm.")}
+    ckpt.config = cfg
+    out.mkdir(parents=True, exist_ok=True)
+    head = gguf_export.target_lm_head(local_target())
+    path = out / "broken.gguf"
+    gguf_export.write_gguf(ckpt, path, SERVE_GGUF(), head)
+    return path
+
+
+def SERVE_GGUF() -> Path:  # noqa: N802 - a constant computed late (the model dir is prepared by setup)
+    return local_target() / "engine-q8_0.gguf"
+
+
+def test_the_trained_draft_served_by_llama_cpp_matches_regen_and_broken_exports_do_not(overfit):
+    run, prompts, root = overfit
+    step = train(root, run, "gqa")
+    export = root / "export"
+    export_draft(step, "llama.cpp", export, target_gguf=SERVE_GGUF(), target_path=str(local_target()))
+    gguf = export / gguf_export.GGUF_NAME
+
+    reference = engine_run(None, prompts, root, "alone")
+    served = engine_run(gguf, prompts, root, "draft")
+    eng = summarize_engine(served, 7)
+    ours = regen_side(load_profile("local").train.model_copy(update={"target": str(local_target())}), prompts,
+                      load_draft_checkpoint(step).path, NEW_TOKENS)
+    ref_acc = ours["engine_budget_rule"]["acc_len"]
+    # the draft learnt the continuations: the engine accepts most of every block, as regen's replay does
+    assert eng["acc_len"] > 2.5, eng
+    assert abs(eng["acc_len"] - ref_acc) <= 0.35, (eng["acc_len"], ref_acc)  # q8_0 engine against fp32 trainer
+    # greedy speculative decoding is lossless: the same tokens with and without the draft (or a flipped near-tie)
+    ll = lossless(reference, served)
+    assert ll["differing_unexplained"] == 0, ll["first_differences"]
+    # an untrained draft (the same export path) is accepted about never
+    untrained = untrained_like(step, root / "untrained-step")
+    export_draft(untrained, "llama.cpp", root / "export-untrained", target_gguf=SERVE_GGUF(),
+                 target_path=str(local_target()))
+    cold = summarize_engine(engine_run(root / "export-untrained" / gguf_export.GGUF_NAME, prompts, root, "cold"), 7)
+    assert cold["acc_len"] < 1.15, cold
+    # taps shifted by one layer: the draft reads features it never saw
+    shifted = summarize_engine(engine_run(write_broken(step, root / "shifted", shift_taps=1), prompts, root,
+                                          "shifted"), 7)
+    assert shifted["acc_len"] < eng["acc_len"] - 0.5, (shifted["acc_len"], eng["acc_len"])
+    assert abs(shifted["acc_len"] - ref_acc) > AGREEMENT_TOLERANCE  # the engine-vs-regen check fails
+
+
+def test_an_fc_norm_draft_with_its_norms_dropped_is_caught(overfit):
+    """regen refuses to export fc_norm for llama.cpp; forced, the served acceptance falls far below regen's."""
+    from regen.serve.engines.draft import EngineRefused
+
+    run, prompts, root = overfit
+    step = train(root, run, "fcnorm", fc_norm=True)
+    with pytest.raises(EngineRefused, match="llama.cpp: fc_norm=True"):
+        export_draft(step, "llama.cpp", root / "refused", target_gguf=SERVE_GGUF(), target_path=str(local_target()))
+    ours = regen_side(load_profile("local").train.model_copy(update={"target": str(local_target())}), prompts, step,
+                      NEW_TOKENS)
+    dropped = summarize_engine(engine_run(write_broken(step, root / "dropped", drop_fc_norm=True), prompts, root,
+                                          "dropped"), 7)
+    assert ours["engine_budget_rule"]["acc_len"] > 2.5
+    assert dropped["acc_len"] < ours["engine_budget_rule"]["acc_len"] - 0.5, (dropped, ours)
