@@ -60,7 +60,7 @@ def used_ids(run: RunDir) -> set[str]:
     return out
 
 
-def cell_figures(ev: dict, prior_requests: float) -> tuple[dict, dict, float]:
+def cell_figures(ev: dict) -> tuple[dict, dict, float]:
     """({cell: (acc_len per round, requests)}, {category: acc_len}, overall acc_len) of the trained draft."""
     b = (ev.get("trained") or {}).get("breakdown")
     if not b:
@@ -78,7 +78,7 @@ def cell_figures(ev: dict, prior_requests: float) -> tuple[dict, dict, float]:
 
 def weights_weakest(supply_cells: list, ev: dict, prior_requests: float) -> tuple[dict, list[dict]]:
     """({cell: weight}, rows of the reasoning table) for policy `weakest` (module docstring)."""
-    measured, cats, overall = cell_figures(ev, prior_requests)
+    measured, cats, overall = cell_figures(ev)
     rows, deficit = [], {}
     for cell in supply_cells:
         a, n = measured.get(cell, (None, 0))
