@@ -138,6 +138,24 @@ def _no_cuda_mode():
     return NoCuda()
 
 
+def _engine_load(model, export: Path, out: dict):
+    """The engine's own `load_weights` on the exported tensors: (tensors, engine parameters), or None with the
+    engine's error in `out["load_weights"]`."""
+    import torch
+
+    tensors = _load_tensors(export)
+    try:
+        with torch.no_grad():
+            model.load_weights(iter(tensors.items()))
+    except Exception as exc:  # noqa: BLE001 - the engine's refusal is the result
+        out["load_weights"] = _error(exc)
+        return None
+    out["load_weights"] = "ok"
+    params = dict(model.named_parameters())
+    out["params"] = {n: list(p.shape) for n, p in params.items()}
+    return tensors, params
+
+
 def _load_tensors(export: Path):
     from safetensors.torch import load_file
 
@@ -160,8 +178,6 @@ def tokenspeed(export: Path, target: dict) -> dict:
                            "tokenspeed_smg", "pybase64", "zmq", "compressed_tensors", "python_multipart",
                            "hf_transfer", "orjson", "setproctitle", "partial_json_parser",
                            "openai_harmony", "einops", "dill", "modelscope", "peft", "triton"})
-    from importlib import metadata
-
     out = {"engine": "tokenspeed", "version": _version("tokenspeed", ROOT / ".engines" / "tokenspeed")}
     from tokenspeed.runtime.configs.kimi_k3_dspark_config import validate_k3_dspark_config
     from tokenspeed.runtime.utils import spec_block_geometry as geo
@@ -210,41 +226,41 @@ def tokenspeed(export: Path, target: dict) -> dict:
     global_server_args_dict["yarn_ramp_mask_device"] = "cpu"
     with _no_cuda_mode():
         model = cls(cfg, Mapping(rank=0, world_size=1))
-    tensors = _load_tensors(export)
-    try:
-        with torch.no_grad():
-            model.load_weights(iter(tensors.items()))
-        out["load_weights"] = "ok"
-    except Exception as exc:  # noqa: BLE001
-        out["load_weights"] = _error(exc)
+    loaded = _engine_load(model, export, out)
+    if loaded is None:
         return out
-    out["params"] = {n: list(p.shape) for n, p in model.named_parameters()}
-    out["values"] = _compare_values(dict(model.named_parameters()), tensors, _tokenspeed_expected(tensors, cfg))
+    tensors, params = loaded
+    out["values"] = _compare_values(params, tensors, _tokenspeed_expected(tensors, cfg))
     out["stubbed"] = sorted(stubs.used)
-    del metadata
     return out
 
 
-def _tokenspeed_expected(t: dict, cfg) -> dict:
-    """{engine parameter name: the tensor it must hold after loading}, from the engine's documented fusions."""
+def _fuse(t: dict, fusions, prefix: str = "") -> dict:
+    """{engine parameter name: the tensor it must hold after loading}: `prefix` + each exported name, with every
+    group of `fusions` ((part, part, ...), fused name) stacked in that order along dim 0 as the engine's loader
+    stacks it (stacked gate/up, fused q_a/kv_a, fused q/k/v)."""
     import torch
 
     exp = {}
     for name, v in t.items():
-        if name.startswith("confidence_head."):
-            continue  # TokenSpeed 0.1.1 skips the confidence head (training-only)
-        if ".q_a_proj." in name:
-            kv = t[name.replace("q_a_proj", "kv_a_proj_with_mqa")]
-            exp[name.replace("q_a_proj", "fused_qkv_a_proj_with_mqa")] = torch.cat([v, kv])
-        elif ".kv_a_proj_with_mqa." in name:
-            continue
-        elif ".gate_proj." in name:
-            exp[name.replace("gate_proj", "gate_up_proj")] = torch.cat([v, t[name.replace("gate_proj", "up_proj")]])
-        elif ".up_proj." in name:
-            continue
+        for parts, fused in fusions:
+            if f".{parts[0]}." in name:
+                exp[prefix + name.replace(parts[0], fused)] = torch.cat([t[name.replace(parts[0], p)] for p in parts])
+                break
+            if any(f".{p}." in name for p in parts[1:]):
+                break
         else:
-            exp[name] = v
+            exp[prefix + name] = v
     return exp
+
+
+GATE_UP = (("gate_proj", "up_proj"), "gate_up_proj")
+
+
+def _tokenspeed_expected(t: dict, cfg) -> dict:
+    # TokenSpeed 0.1.1 skips the confidence head (training-only)
+    return _fuse({k: v for k, v in t.items() if not k.startswith("confidence_head.")},
+                 [(("q_a_proj", "kv_a_proj_with_mqa"), "fused_qkv_a_proj_with_mqa"), GATE_UP])
 
 
 def _compare_values(params: dict, tensors: dict, expected: dict) -> dict:
@@ -316,16 +332,10 @@ def sglang(export: Path, target: dict) -> dict:
         return out
     get_parallel().override_permanently(tp_size=1)
     model = cls(cfg)
-    tensors = _load_tensors(export)
-    try:
-        with torch.no_grad():
-            model.load_weights(iter(tensors.items()))
-        out["load_weights"] = "ok"
-    except Exception as exc:  # noqa: BLE001
-        out["load_weights"] = _error(exc)
+    loaded = _engine_load(model, export, out)
+    if loaded is None:
         return out
-    params = dict(model.named_parameters())
-    out["params"] = {n: list(p.shape) for n, p in params.items()}
+    tensors, params = loaded
     out["confidence_head_built"] = getattr(model, "confidence_head", None) is not None
     exp = {k[len("model."):] if k.startswith("model.") else k: v
            for k, v in _vllm_expected(tensors, "qwen3").items()}
@@ -391,16 +401,10 @@ def vllm(export: Path, target: dict) -> dict:
                               use_mla=launch.get("layout") == "k3")
     with set_current_vllm_config(vc), torch.device("cpu"):
         model = model_cls(vllm_config=vc)
-    tensors = _load_tensors(export)
-    try:
-        with torch.no_grad():
-            model.load_weights(iter(tensors.items()))
-        out["load_weights"] = "ok"
-    except Exception as exc:  # noqa: BLE001
-        out["load_weights"] = _error(exc)
+    loaded = _engine_load(model, export, out)
+    if loaded is None:
         return out
-    params = dict(model.named_parameters())
-    out["params"] = {n: list(p.shape) for n, p in params.items()}
+    tensors, params = loaded
     out["values"] = _compare_values(params, tensors, _vllm_expected(tensors, launch.get("layout")))
     return out
 
@@ -410,31 +414,12 @@ def _vllm_expected(t: dict, layout: str | None) -> dict:
     q_a/kv_a fused; `d2t` -> draft_id_to_target_id; `lm_head` stays top level; `t2d` dropped."""
     import torch
 
-    exp = {}
-    for name, v in t.items():
-        if name in ("d2t",):
-            exp["draft_id_to_target_id"] = v
-            continue
-        if name.startswith("lm_head."):
-            exp[name] = v
-            continue
-        full = "model." + name
-        if ".q_proj." in name and layout != "k3":
-            k, vv = t[name.replace("q_proj", "k_proj")], t[name.replace("q_proj", "v_proj")]
-            exp[full.replace("q_proj", "qkv_proj")] = torch.cat([v, k, vv])
-        elif (".k_proj." in name or ".v_proj." in name) and layout != "k3":
-            continue
-        elif ".q_a_proj." in name:
-            kv = t[name.replace("q_a_proj", "kv_a_proj_with_mqa")]
-            exp[full.replace("q_a_proj", "fused_qkv_a_proj")] = torch.cat([v, kv])
-        elif ".kv_a_proj_with_mqa." in name:
-            continue
-        elif ".gate_proj." in name:
-            exp[full.replace("gate_proj", "gate_up_proj")] = torch.cat([v, t[name.replace("gate_proj", "up_proj")]])
-        elif ".up_proj." in name:
-            continue
-        else:
-            exp[full] = v
+    special = {"draft_id_to_target_id": t["d2t"]} if "d2t" in t else {}
+    special.update({k: v for k, v in t.items() if k.startswith("lm_head.")})
+    rest = {k: v for k, v in t.items() if k != "d2t" and not k.startswith("lm_head.")}
+    qkv = (("q_a_proj", "kv_a_proj_with_mqa"), "fused_qkv_a_proj") if layout == "k3" else \
+        (("q_proj", "k_proj", "v_proj"), "qkv_proj")
+    exp = {**_fuse(rest, [qkv, GATE_UP], prefix="model."), **special}
     if layout == "k3":  # vLLM also loads every layer's kv_a into the cross-layer context projection, in layer order
         kv = [t[f"layers.{i}.self_attn.kv_a_proj_with_mqa.weight"] for i in range(len(t))
               if f"layers.{i}.self_attn.kv_a_proj_with_mqa.weight" in t]
