@@ -271,7 +271,9 @@ def train_step(model, target, opt, microbatches, *, loss_weights=(0.1, 0.9, 1.0)
     of every rank (spec §5), so A micro-batches equal one batch holding them all, and W ranks equal one rank
     accumulating their batches. "micro_batch" (the reference, DS trainer): (1/A) Σ_i Σ_ranks w·term_i / Σ_ranks w_i,
     each micro-batch normalised by its own weight sum over ranks, then averaged over the A accumulation steps.
-    Returns this rank's partial sums (reduce with `reduce_metrics`), tokens, target seconds, grad norm.
+    Returns this rank's partial sums (reduce with `reduce_metrics`), tokens, target seconds, grad norm, `finite`
+    (False: some rank saw a non-finite loss or gradient norm, and `opt.step()` was skipped on every rank; the
+    caller stops, `regen.train.guard`) and `bad_microbatches` (this rank's indices with a non-finite loss).
     """
     import torch
 
@@ -292,12 +294,15 @@ def train_step(model, target, opt, microbatches, *, loss_weights=(0.1, 0.9, 1.0)
         raise ValueError(f"loss_normalization {loss_normalization!r}: use 'step' or 'micro_batch'")
     sums = torch.zeros(6, dtype=torch.float64)  # loss, ce, l1, conf, tau_prob·blocks, blocks (supervised ones)
     t_target = 0.0
+    bad_microbatches: list[int] = []  # this rank's micro-batches with a non-finite loss
     for i, (batch, anchors, keep) in enumerate(microbatches):
         set_gradient_sync(model, i == len(microbatches) - 1)
         tt = time.perf_counter()
         features = target.features_of(batch)
         t_target += time.perf_counter() - tt
         loss, m = model(batch, features, anchors, keep, weights=loss_weights)
+        if not math.isfinite(float(m["loss"])):
+            bad_microbatches.append(i)
         if loss_normalization == "micro_batch":
             scale = 1.0 / len(microbatches)
         else:
@@ -308,10 +313,15 @@ def train_step(model, target, opt, microbatches, *, loss_weights=(0.1, 0.9, 1.0)
                               m["tau_probabilistic"] * m["num_supervised_blocks"], m["num_supervised_blocks"]],
                              dtype=torch.float64)
     grad_norm = clip_grad_norm(model, grad_clip)
-    opt.step()
+    # a non-finite loss or norm on any rank: no rank steps (regen.train.guard; clipping does not clean a NaN)
+    local_ok = math.isfinite(grad_norm) and not bad_microbatches
+    finite = float(all_reduce_sum(torch.tensor([0.0 if local_ok else 1.0], dtype=torch.float64))) == 0.0
+    if finite:
+        opt.step()
     opt.zero_grad(set_to_none=True)
     tokens = sum(int(b["attention_mask"].sum()) for b, _, _ in microbatches)
-    return {"sums": sums, "tokens": tokens, "target_s": t_target, "grad_norm": grad_norm, "weight": step_w}
+    return {"sums": sums, "tokens": tokens, "target_s": t_target, "grad_norm": grad_norm, "weight": step_w,
+            "finite": finite, "bad_microbatches": bad_microbatches}
 
 
 def reduce_metrics(m: dict) -> dict:
@@ -369,10 +379,11 @@ def _train(cfg, run, info, target_path: Path, train_dir: Path, *, follow: bool,
     """run_train's body, in the process group `info` (see run_train)."""
     import torch
 
-    from regen.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+    from regen.train.checkpoint import load_checkpoint
     from regen.train.model import DSparkDraft
     from regen.train.feed import ShardFeed
     from regen.train.parallel import all_reduce_sum, shard_model
+    from regen.train.resume import check_resume, resume_key
     from regen.train.target import TargetContract, TargetFeatures, declared_contract
     from transformers import AutoConfig
 
@@ -394,6 +405,7 @@ def _train(cfg, run, info, target_path: Path, train_dir: Path, *, follow: bool,
     if info.is_main:
         log.info("target in each rank (train.features=%s): %.1f MiB", cfg.features, target.memory_bytes / 2**20)
     manifest_path = Path(run.shards) / "manifest.json"
+    shards_manifest = None
     if manifest_path.exists():
         shards_manifest = json.loads(manifest_path.read_text())
         contract.check(declared_contract(shards_manifest), str(manifest_path))
@@ -404,7 +416,7 @@ def _train(cfg, run, info, target_path: Path, train_dir: Path, *, follow: bool,
     # -- data -----------------------------------------------------------------------------------------------
     feed = ShardFeed(run.shards, feed_config(cfg), rank=info.rank, world_size=info.world_size,
                      grad_accum=cfg.grad_accum, follow=follow)
-    resume_from = latest_checkpoint(train_dir)
+    resume_from, fallback = choose_resume(train_dir, info)
     init = warm_start.prepare(cfg, draft_cfg, resume_from, info.is_main)  # train.init_from (regen.train.warm_start)
     vocab_ids, vocab_report = (warm_start.vocabulary(init) if init is not None and init.d2t is not None
                                else draft_vocabulary(draft_cfg, feed, resume_from, follow=follow))
@@ -433,13 +445,19 @@ def _train(cfg, run, info, target_path: Path, train_dir: Path, *, follow: bool,
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
                             betas=tuple(cfg.betas), eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total_steps, cfg.warmup_frac, cfg.min_lr_frac))
-    step = 0
+    step, changes = 0, []
+    key = resume_key(cfg, shards_manifest=shards_manifest, target_path=Path(target_path),
+                     world_size=info.world_size, total_steps=total_steps)
     if resume_from is not None:
         from regen.train.draft_config import check_rope_theta
         from regen.train.model import CONFIG_NAME, DSparkConfig
 
         check_rope_theta(DSparkConfig.from_json(Path(resume_from) / CONFIG_NAME), draft_cfg.rope_theta,
                          checkpoint=str(Path(resume_from) / CONFIG_NAME), expected_from="this run's draft config")
+        changes = check_resume(resume_from, key, shards_manifest=shards_manifest, follow=follow)  # before any load
+        if info.is_main:
+            for c in changes:
+                log.warning("resume changes %s: %s -> %s %s", c["setting"], c["old"], c["new"], c["note"])
         step = load_checkpoint(resume_from, model, opt, sched, feed)
         if info.is_main:
             log.info("resumed from %s at step %d", resume_from, step)
@@ -450,7 +468,9 @@ def _train(cfg, run, info, target_path: Path, train_dir: Path, *, follow: bool,
                  dtypes["draft"], dtypes["target"], cfg.dtype, cfg.target_dtype, dtypes["cpu_native_bf16"])
     training_meta = {"profile_train": cfg.model_dump(), "target": str(target_path), "world_size": info.world_size,
                      "shards_manifest": str(manifest_path), "draft_vocab": vocab_report, "dtype": dtypes,
-                     "init_from": warm}
+                     "init_from": warm, "resume_key": key,
+                     "resume": {"from": str(resume_from) if resume_from else None, "fallback": fallback,
+                                "changes": changes}}
     num_epochs = cfg.epochs if cfg.epochs > 0 else None  # ends at the first of max_steps and epochs
     pool, source = None, target
     if cfg.features == "producers":
@@ -477,6 +497,7 @@ def _loop(cfg, info, train_dir, model, source, pool, opt, sched, feed, draft_cfg
     import torch
 
     from regen.train.checkpoint import save_checkpoint
+    from regen.train.guard import DivergenceMonitor
     from regen.train.parallel import all_reduce_sum
 
     seed = cfg.seed
@@ -487,6 +508,7 @@ def _loop(cfg, info, train_dir, model, source, pool, opt, sched, feed, draft_cfg
     ckpt, steps_here = resume_from, 0
     train_dir.mkdir(parents=True, exist_ok=True)
     steps = feed.steps(num_epochs=num_epochs)
+    divergence = DivergenceMonitor()
     while step < total_steps and (stop_after_steps is None or steps_here < stop_after_steps):
         batch_step = next(steps, None)  # pulled only when it will be trained: the feed position advances here
         if batch_step is None:
@@ -500,6 +522,8 @@ def _loop(cfg, info, train_dir, model, source, pool, opt, sched, feed, draft_cfg
                 b["loss_mask"] = torch.zeros_like(b["loss_mask"])
         m = train_step(model, source, opt, mbs, loss_weights=tuple(cfg.loss_weights), grad_clip=cfg.grad_clip,
                        loss_normalization=cfg.loss_normalization)
+        if not m["finite"]:  # every rank agreed (train_step): stop before anything is saved
+            raise_nonfinite(step + 1, m, batch_step, ckpt, info, train_dir)
         sched.step()
         step, steps_here = step + 1, steps_here + 1
         step_s = time.perf_counter() - t0
@@ -519,6 +543,9 @@ def _loop(cfg, info, train_dir, model, source, pool, opt, sched, feed, draft_cfg
                 with open(train_dir / "log.jsonl", "a", encoding="utf-8") as f:
                     f.write(json.dumps(rec) + "\n")
                 log.info("step %d loss %.4f tau_p %.3f", step, rec["loss"], rec["tau_probabilistic"])
+            warning = divergence.observe(step, rec["loss"])
+            if warning and info.is_main:
+                log.warning(warning)
             hooks.log(rec)
         hooks.after_step(step, model)
         if cfg.checkpoint_every > 0 and step % cfg.checkpoint_every == 0 and step < total_steps:
@@ -542,6 +569,7 @@ def _loop(cfg, info, train_dir, model, source, pool, opt, sched, feed, draft_cfg
         "tau_probabilistic_last": history[-1]["tau_probabilistic"] if history else None,
         "checkpoint": str(ckpt), "feed": feed.state_dict(), "feed_stats": feed.stats, "seed": seed,
         "draft_vocab": vocab_report, "dtype": training_meta["dtype"], "features_from": cfg.features,
+        "divergence_warnings": divergence.warnings, "resume": training_meta["resume"],
         "target_memory_bytes_per_rank": target.memory_bytes,
         "history": history,
     }
@@ -570,6 +598,54 @@ def _loop(cfg, info, train_dir, model, source, pool, opt, sched, feed, draft_cfg
         write_json_atomic(summary, train_dir / "summary.json")
     target.close()
     return summary
+
+
+def choose_resume(train_dir: Path, info):
+    """(step folder to resume from or None, the fallback warning or None), chosen on rank 0 (it verifies the
+    folders, `regen.train.checkpoint.find_resume`) and the same on every rank; CheckpointError on every rank when
+    step folders exist and none is intact."""
+    import torch.distributed as dist
+
+    from regen.train.checkpoint import find_resume
+    from regen.train.parallel import raise_if_any_rank_failed
+
+    box, error = [None, None], None
+    if info.is_main:
+        try:
+            box = list(find_resume(train_dir))
+        except InputError as exc:
+            error = exc
+    raise_if_any_rank_failed(error)
+    if info.world_size > 1:
+        dist.broadcast_object_list(box, src=0)
+    if box[1] and info.is_main:
+        log.warning("%s", box[1])
+    return (Path(box[0]) if box[0] else None), box[1]
+
+
+def raise_nonfinite(step: int, m: dict, batch_step, last_good, info, train_dir: Path) -> None:
+    """Raise `NonFiniteStep` for step `step` on every rank (collective: each rank's rows are gathered so the
+    message names them all); the reason also goes to `<train_dir>/stopped.json` (rank 0)."""
+    import torch.distributed as dist
+
+    from regen.train.guard import nonfinite_step_error
+
+    mine = {"loss_finite": not m["bad_microbatches"], "grad_norm": m["grad_norm"],
+            "sample_ids": [list(mb.sample_ids) for mb in batch_step.microbatches],
+            "bad_microbatches": m["bad_microbatches"]}
+    gathered = [mine]
+    if info.world_size > 1:
+        gathered = [None] * info.world_size
+        dist.all_gather_object(gathered, mine)
+    err = nonfinite_step_error(step, mine, gathered, last_good)
+    if info.is_main:
+        from schemas.io import write_json_atomic
+
+        log.error("%s", err)
+        write_json_atomic({"reason": "non_finite_step", "step": step, "ranks": gathered,
+                           "last_good_checkpoint": str(last_good) if last_good else None, "message": str(err)},
+                          train_dir / "stopped.json")
+    raise err
 
 
 def _fmt(x) -> str:
