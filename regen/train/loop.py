@@ -383,6 +383,7 @@ def _train(cfg, run, info, target_path: Path, train_dir: Path, *, follow: bool,
     from regen.train.model import DSparkDraft
     from regen.train.feed import ShardFeed
     from regen.train.parallel import all_reduce_sum, shard_model
+    from regen.train.eval import HELDOUT_RULE
     from regen.train.resume import check_resume, resume_key
     from regen.train.target import TargetContract, TargetFeatures, declared_contract
     from transformers import AutoConfig
@@ -469,8 +470,15 @@ def _train(cfg, run, info, target_path: Path, train_dir: Path, *, follow: bool,
     training_meta = {"profile_train": cfg.model_dump(), "target": str(target_path), "world_size": info.world_size,
                      "shards_manifest": str(manifest_path), "draft_vocab": vocab_report, "dtype": dtypes,
                      "init_from": warm, "resume_key": key,
+                     "heldout": {"fraction": cfg.heldout_fraction, "rule": HELDOUT_RULE},
                      "resume": {"from": str(resume_from) if resume_from else None, "fallback": fallback,
                                 "changes": changes}}
+    if info.is_main:  # the held-out split `regen eval` must keep to (regen.train.eval.eval_heldout_fraction)
+        from schemas.io import write_json_atomic
+
+        train_dir.mkdir(parents=True, exist_ok=True)
+        write_json_atomic({"fraction": cfg.heldout_fraction, "rule": HELDOUT_RULE, "shards": key["shards"],
+                           "num_shards": key["num_shards"]}, train_dir / "heldout.json")
     num_epochs = cfg.epochs if cfg.epochs > 0 else None  # ends at the first of max_steps and epochs
     pool, source = None, target
     if cfg.features == "producers":

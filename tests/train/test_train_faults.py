@@ -246,3 +246,38 @@ def test_resume_with_another_target_of_the_same_shape_is_refused(tiny_run, tmp_p
     other = write_profile(tmp_path / "other.yaml", make_tiny_target(tmp_path / "other-target", seed=1))
     with pytest.raises(ResumeMismatch, match="target_revision: checkpoint"):
         run_train(train_cfg(other, max_steps=4), RunDir.at(run_dir))
+
+
+# -- point 4: evaluation on held-out prompts only ----------------------------------------------------------------
+
+def test_eval_keeps_to_the_split_recorded_at_training_time(tiny_run, tmp_path):
+    from safetensors.torch import save_file
+
+    from train_helpers import make_rows
+
+    from regen.train.eval import is_heldout, run_eval
+
+    profile, run_dir = tiny_run
+    run_train(train_cfg(profile, max_steps=1, heldout_fraction=0.3), RunDir.at(run_dir))
+    recorded = json.loads((run_dir / "train" / "heldout.json").read_text())
+    assert recorded["fraction"] == 0.3 and "sha256(prompt_id)" in recorded["rule"]
+    kw = dict(num_prompts=2, max_new_tokens=4, progress=False, out_path=tmp_path / "e.json")
+    with pytest.raises(InputError, match=r"heldout_fraction=0.5 asks to evaluate on prompts the draft 'trained' "
+                                         r"was trained on: it was trained with heldout_fraction=0.3"):
+        run_eval(train_cfg(profile, heldout_fraction=0.5), RunDir.at(run_dir), draft_dir=run_dir, **kw)
+    out = run_eval(train_cfg(profile, heldout_fraction=0.0), RunDir.at(run_dir), draft_dir=run_dir, **kw)
+    h = out["heldout"]
+    assert out["heldout_fraction"] == 0.3 and h["chosen_by"] == "the split recorded at training time"
+    pids = {r["prompt_id"] for k in range(3) for r in make_rows(20, seed=k)}
+    assert h["num_heldout_prompts"] == sum(is_heldout(p, 0.3) for p in pids) > 2 and h["num_evaluated"] == 2
+    assert out["num_prompts"] == 2
+    # a diverged draft is refused by eval too (the exports' check)
+    folder = run_dir / "train" / "checkpoints" / "step-000001"
+    w = load_file(str(folder / "model.safetensors"))
+    w[sorted(w)[0]] = torch.full_like(w[sorted(w)[0]], float("inf"))
+    save_file(w, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError):
+        run_eval(train_cfg(profile, heldout_fraction=0.3), RunDir.at(run_dir), draft_dir=folder, **kw)
+    (folder / "MANIFEST.json").unlink()
+    with pytest.raises(InputError, match="non-finite"):
+        run_eval(train_cfg(profile, heldout_fraction=0.3), RunDir.at(run_dir), draft_dir=folder, **kw)
