@@ -19,6 +19,7 @@ the world size it was written with. Every function here is collective: all ranks
 """
 from __future__ import annotations
 
+import logging
 import os
 import random
 import shutil
@@ -28,10 +29,11 @@ import torch
 import torch.distributed as dist
 
 from regen.train.model import CONFIG_NAME, FROZEN_PREFIXES, WEIGHTS_NAME
-from regen.train.parallel import full_model_state, full_optim_state, load_full_model_state, load_full_optim_state
 from regen.errors import InputError
+from regen.train.parallel import full_model_state, full_optim_state, load_full_model_state, load_full_optim_state
 from schemas.io import read_json, sha256_file, write_json_atomic
 
+log = logging.getLogger(__name__)
 LATEST = "latest.json"
 MANIFEST = "MANIFEST.json"
 REQUIRED = (WEIGHTS_NAME, CONFIG_NAME, "training.json", "optimizer.pt", "train_state.pt")
@@ -184,6 +186,28 @@ def check_intact(folder: Path) -> None:
                               f"{' (' + ', '.join(others) + ')' if others else ''} or retrain")
 
 
+def load_servable_weights(folder: Path) -> dict:
+    """The draft tensors of a step folder ({name: torch.Tensor}), after `check_intact`; InputError when a weight
+    holds a NaN or inf (a diverged run: an engine would serve NaN). Used by `regen eval` and the exports."""
+    from safetensors.torch import load_file
+
+    from regen.train.guard import describe, nonfinite_tensors
+
+    folder = Path(folder)
+    weights = folder / WEIGHTS_NAME
+    if not weights.is_file():
+        raise InputError(f"{weights}: missing; the step folder is incomplete (a crash mid-save?): use an earlier "
+                         "step or rerun training")
+    check_intact(folder)  # against its MANIFEST.json (CheckpointError: a damaged or truncated file)
+    tensors = load_file(str(weights))
+    bad = nonfinite_tensors(tensors)
+    if bad:
+        raise InputError(f"{weights}: non-finite values in {describe(bad)}: the run diverged before this checkpoint; "
+                         "use (export, evaluate) the last finite step (runs/<name>/train/checkpoints/) or retrain "
+                         "with a lower train.lr")
+    return tensors
+
+
 def latest_checkpoint(train_dir: Path) -> Path | None:
     """The folder `latest.json` points at, or None when there is none yet (no verification: `find_resume`)."""
     latest = read_json(Path(train_dir) / LATEST)
@@ -269,3 +293,23 @@ def load_checkpoint(path: Path, model, optimizer, scheduler, feed) -> int:
     feed.load_state_dict(state["feed"])
     _set_rng_state(state["rng"])
     return int(state["step"])
+
+
+def agreed_resume(train_dir: Path, info):
+    """(step folder to resume from or None, the fallback warning or None), chosen on rank 0 (it verifies the
+    folders, `regen.train.checkpoint.find_resume`) and the same on every rank; CheckpointError on every rank when
+    step folders exist and none is intact."""
+    from regen.train.parallel import raise_if_any_rank_failed
+
+    box, error = [None, None], None
+    if info.is_main:
+        try:
+            box = list(find_resume(train_dir))
+        except InputError as exc:
+            error = exc
+    raise_if_any_rank_failed(error)
+    if info.world_size > 1:
+        dist.broadcast_object_list(box, src=0)
+    if box[1] and info.is_main:
+        log.warning("%s", box[1])
+    return (Path(box[0]) if box[0] else None), box[1]

@@ -135,48 +135,6 @@ def resolve_draft_dir(path: str | Path) -> Path:
                      "checkpoint folder such as runs/local/train/checkpoints/step-000100")
 
 
-HELDOUT_RULE = "sha256(prompt_id) mod 10^6 < round(heldout_fraction * 10^6) (regen.train.eval.is_heldout)"
-
-
-def recorded_heldout(draft_dir: Path) -> dict | None:
-    """The held-out split a trainer checkpoint was trained with: {"fraction", "rule", "source"} from its
-    training.json (`heldout`, or the older `profile_train.heldout_fraction`), or None for a folder without one."""
-    from schemas.io import read_json
-
-    training = read_json(Path(draft_dir) / "training.json") or {}
-    if isinstance(training.get("heldout"), dict):
-        return {**training["heldout"], "source": str(Path(draft_dir) / "training.json")}
-    frac = (training.get("profile_train") or {}).get("heldout_fraction")
-    if frac is None:
-        return None
-    return {"fraction": float(frac), "rule": HELDOUT_RULE, "source": f"{Path(draft_dir) / 'training.json'} "
-            "(profile_train)"}
-
-
-def eval_heldout_fraction(asked: float, drafts: dict) -> tuple[float, dict]:
-    """(the fraction to evaluate on, how it was chosen) for `asked` (the profile's train.heldout_fraction) and the
-    trained drafts {name: step folder}. The split recorded at training time wins; InputError when `asked` is larger
-    than a draft's recorded fraction (it would put that draft's training prompts into the evaluation: the
-    held-out buckets are nested, `is_heldout`), naming both and the fix."""
-    from regen.errors import InputError
-
-    records = {name: recorded_heldout(d) for name, d in drafts.items()}
-    known = {name: r for name, r in records.items() if r is not None}
-    if not known:
-        return asked, {"fraction": asked, "rule": HELDOUT_RULE, "chosen_by": "the profile's train.heldout_fraction "
-                       "(no draft records its training split)"}
-    fraction = min(r["fraction"] for r in known.values())  # held out from every trained draft
-    if asked > fraction:
-        name = min(known, key=lambda n: known[n]["fraction"])
-        raise InputError(f"train.heldout_fraction={asked} asks to evaluate on prompts the draft {name!r} was trained "
-                         f"on: it was trained with heldout_fraction={fraction} ({known[name]['source']}); evaluate "
-                         f"with --set train.heldout_fraction={fraction} (or less), or retrain with a larger one")
-    return fraction, {"fraction": fraction, "rule": HELDOUT_RULE, "asked": asked,
-                      "chosen_by": "the split recorded at training time",
-                      "sources": {name: r["source"] for name, r in known.items()},
-                      **({"unrecorded": sorted(set(records) - set(known))} if len(known) < len(records) else {})}
-
-
 def heldout_prompts(run, fraction: float, num_prompts: int | None) -> list[dict]:
     """Held-out rows of `run.shards` (one per prompt_id, ordered by hash; the first `num_prompts`, None = all):
     {prompt_id, category, prompt_ids, length_band, mode} (band and mode from the selection,
@@ -452,10 +410,10 @@ def run_eval(cfg, run, *, draft_dir, seed: int | None = None, num_prompts: int =
         raise InputError(f"--temperature {temperature} --top-p {top_p}: use T >= 0 (0 = greedy only) and top_p in "
                          "(0, 1]")
     ddir = resolve_draft_dir(draft_dir)
-    from regen.serve.engines.draft import load_draft_checkpoint
+    from regen.train.checkpoint import load_servable_weights
     from regen.train.draft_config import check_rope_theta
 
-    load_draft_checkpoint(ddir)  # refuses a damaged (MANIFEST.json) or non-finite draft, as the exports do
+    load_servable_weights(ddir)  # refuses a damaged (MANIFEST.json) or non-finite draft, as the exports do
     from regen.train.model import DSparkConfig
 
     dcfg = DSparkConfig.from_json(ddir / "config.json")
@@ -472,7 +430,7 @@ def run_eval(cfg, run, *, draft_dir, seed: int | None = None, num_prompts: int =
         except InputError:
             raise InputError(f"--compare {name}={other}: no config.json, train/latest.json or latest.json found; "
                              "give a checkpoint folder or a training directory") from None
-        load_draft_checkpoint(odir)
+        load_servable_weights(odir)
         ocfg = DSparkConfig.from_json(odir / "config.json")
         check_rope_theta(ocfg, expected_theta, checkpoint=f"--compare {name}={other}",
                          expected_from="the profile's train.rope_theta")
@@ -481,6 +439,8 @@ def run_eval(cfg, run, *, draft_dir, seed: int | None = None, num_prompts: int =
             raise InputError(f"--compare {name}={other}: block_size {ocfg.block_size} differs from the draft's "
                              f"{dcfg.block_size}; compare drafts of one block size")
         others[name] = odir
+    from regen.train.heldout import eval_heldout_fraction
+
     fraction, heldout = eval_heldout_fraction(getattr(cfg, "heldout_fraction", 0.05), {"trained": ddir, **others})
     if cfg.target_layer_ids:
         contract.check({"target_layer_ids": list(cfg.target_layer_ids),

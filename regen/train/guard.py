@@ -10,10 +10,14 @@ tensors (`nonfinite_tensors`), so a diverged run never writes, keeps or serves N
 """
 from __future__ import annotations
 
+import logging
 import statistics
 from collections import deque
+from pathlib import Path
 
 from regen.errors import InputError
+
+log = logging.getLogger(__name__)
 
 
 class NonFiniteStep(InputError):
@@ -86,3 +90,44 @@ class DivergenceMonitor:
                        f"of the last {len(self.losses)} logged steps; lower train.lr if it persists")
         self.losses.append(loss)
         return msg
+
+
+def raise_nonfinite(step: int, m: dict, batch_step, last_good, info, train_dir: Path) -> None:
+    """Raise `NonFiniteStep` for step `step` on every rank (collective: each rank's rows are gathered so the
+    message names them all); the reason also goes to `<train_dir>/stopped.json` (rank 0)."""
+    import torch.distributed as dist
+
+    from regen.train.guard import nonfinite_step_error
+
+    mine = {"loss_finite": not m["bad_microbatches"], "grad_norm": m["grad_norm"],
+            "sample_ids": [list(mb.sample_ids) for mb in batch_step.microbatches],
+            "bad_microbatches": m["bad_microbatches"]}
+    gathered = [mine]
+    if info.world_size > 1:
+        gathered = [None] * info.world_size
+        dist.all_gather_object(gathered, mine)
+    err = nonfinite_step_error(step, mine, gathered, last_good)
+    if info.is_main:
+        from schemas.io import write_json_atomic
+
+        log.error("%s", err)
+        write_json_atomic({"reason": "non_finite_step", "step": step, "ranks": gathered,
+                           "last_good_checkpoint": str(last_good) if last_good else None, "message": str(err)},
+                          train_dir / "stopped.json")
+    raise err
+
+
+def take_train_lease(train_dir: Path, info):
+    """Rank 0 takes `<train_dir>/.lease-train.json` (`regen.rundir.Lease`); every rank raises LeaseHeld when another
+    trainer holds it. Returns the Lease on rank 0, None elsewhere."""
+    from regen.rundir import Lease
+    from regen.train.parallel import raise_if_any_rank_failed
+
+    lease, error = None, None
+    if info.is_main:
+        try:
+            lease = Lease(train_dir, "train").acquire()
+        except InputError as exc:
+            error = exc
+    raise_if_any_rank_failed(error)
+    return lease

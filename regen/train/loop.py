@@ -185,58 +185,6 @@ def share_frozen_with_target(draft, target_model, dtype) -> None:
             mine.to(dtype)
 
 
-def draft_vocabulary(draft_cfg, feed, resume_from, *, follow: bool = False):
-    """(target ids int64[Vd] or None, report dict or None) of the reduced draft vocabulary (`regen.train.draft_vocab`).
-
-    A resumed run keeps its checkpoint's vocabulary (the `d2t` weight); a new one takes the Vd most frequent
-    supervised tokens of the feed's training rows, stop tokens always included, chosen on rank 0 and broadcast
-    (ranks may read the manifest at different moments). With `follow`, it waits for the first shard and uses
-    the shards listed then: rows rendered later keep only their supervised tokens inside it. Raises InputError
-    for a checkpoint of another vocabulary size or an impossible size.
-    """
-    import torch
-    import torch.distributed as dist
-
-    V, Vd = draft_cfg.vocab_size, draft_cfg.draft_vocab_size
-    if not Vd:
-        return None, None
-    if resume_from is not None:
-        from safetensors import safe_open
-
-        from regen.train.model import CONFIG_NAME, WEIGHTS_NAME
-
-        saved = json.loads((Path(resume_from) / CONFIG_NAME).read_text()).get("draft_vocab_size", 0)
-        if saved != Vd:
-            raise InputError(f"{resume_from}: the checkpoint has draft_vocab_size={saved}, the profile gives {Vd}; "
-                             "resume with the same train.* settings or use a new run directory (or --out)")
-        with safe_open(str(Path(resume_from) / WEIGHTS_NAME), framework="pt") as f:
-            d2t = f.get_tensor("d2t")
-        return d2t + torch.arange(d2t.numel()), {"size": int(d2t.numel()), "from": str(resume_from)}
-    from regen.train.draft_vocab import select_draft_vocab
-
-    ids, report = torch.zeros(Vd, dtype=torch.long), None
-    if dist.get_rank() == 0:
-        if follow:
-            feed.wait_for_first_shard()
-        counts = feed.supervised_token_counts(V)
-        try:
-            chosen, report = select_draft_vocab(counts, Vd, always=draft_cfg.eos_token_id)
-        except ValueError as exc:
-            raise InputError(f"train.draft_vocab_size={Vd}: {exc}") from None
-        report["shards_counted"] = feed.listed_shards()
-        ids = torch.from_numpy(chosen)
-        log.info("draft vocabulary: %d ids, %d distinct supervised tokens seen, coverage %.4f", report["size"],
-                 report["distinct_seen"], report["coverage"])
-    if dist.get_world_size() > 1:
-        box = [report]
-        dist.broadcast_object_list(box, src=0)
-        report = box[0]
-        ids = ids.to("cuda" if dist.get_backend() == "nccl" else "cpu")
-        dist.broadcast(ids, src=0)
-        ids = ids.cpu()
-    return ids, report
-
-
 def prepare_microbatch(mb, seed: int, draft_cfg, device, t2d=None):
     """(batch dict on `device`, anchors int64[B, N], keep bool[B, N]) for a feed MicroBatch.
 
@@ -350,6 +298,7 @@ def run_train(cfg, run, *, follow: bool = False, stop_after_steps: int | None = 
     import torch.distributed as dist
 
     from regen.config import resolve_path
+    from regen.train.guard import take_train_lease
     from regen.train.parallel import destroy_distributed, init_distributed
 
     # -- config ---------------------------------------------------------------------------------------------
@@ -366,10 +315,14 @@ def run_train(cfg, run, *, follow: bool = False, stop_after_steps: int | None = 
     # -- process group --------------------------------------------------------------------------------------
     owns_group = not dist.is_initialized()
     info = init_distributed(cfg.device)
+    train_dir = Path(train_dir) if train_dir else Path(run.train)
+    lease = None
     try:
-        return _train(cfg, run, info, target_path, Path(train_dir) if train_dir else Path(run.train),
-                      follow=follow, stop_after_steps=stop_after_steps)
+        lease = take_train_lease(train_dir, info)  # regen.train.guard: one trainer per training directory
+        return _train(cfg, run, info, target_path, train_dir, follow=follow, stop_after_steps=stop_after_steps)
     finally:
+        if lease is not None:
+            lease.release()
         if owns_group:
             destroy_distributed()
 
@@ -379,11 +332,12 @@ def _train(cfg, run, info, target_path: Path, train_dir: Path, *, follow: bool,
     """run_train's body, in the process group `info` (see run_train)."""
     import torch
 
-    from regen.train.checkpoint import load_checkpoint
+    from regen.train.checkpoint import agreed_resume, load_checkpoint
+    from regen.train.draft_vocab import draft_vocabulary
     from regen.train.model import DSparkDraft
     from regen.train.feed import ShardFeed
     from regen.train.parallel import all_reduce_sum, shard_model
-    from regen.train.eval import HELDOUT_RULE
+    from regen.train.heldout import HELDOUT_RULE
     from regen.train.resume import check_resume, resume_key
     from regen.train.target import TargetContract, TargetFeatures, declared_contract
     from transformers import AutoConfig
@@ -417,7 +371,7 @@ def _train(cfg, run, info, target_path: Path, train_dir: Path, *, follow: bool,
     # -- data -----------------------------------------------------------------------------------------------
     feed = ShardFeed(run.shards, feed_config(cfg), rank=info.rank, world_size=info.world_size,
                      grad_accum=cfg.grad_accum, follow=follow)
-    resume_from, fallback = choose_resume(train_dir, info)
+    resume_from, fallback = agreed_resume(train_dir, info)
     init = warm_start.prepare(cfg, draft_cfg, resume_from, info.is_main)  # train.init_from (regen.train.warm_start)
     vocab_ids, vocab_report = (warm_start.vocabulary(init) if init is not None and init.d2t is not None
                                else draft_vocabulary(draft_cfg, feed, resume_from, follow=follow))
@@ -455,7 +409,8 @@ def _train(cfg, run, info, target_path: Path, train_dir: Path, *, follow: bool,
 
         check_rope_theta(DSparkConfig.from_json(Path(resume_from) / CONFIG_NAME), draft_cfg.rope_theta,
                          checkpoint=str(Path(resume_from) / CONFIG_NAME), expected_from="this run's draft config")
-        changes = check_resume(resume_from, key, shards_manifest=shards_manifest, follow=follow)  # before any load
+        changes = check_resume(resume_from, key, shards_manifest=shards_manifest, follow=follow,  # before
+                               lr_lambda=lr_lambda)  # any load
         if info.is_main:
             for c in changes:
                 log.warning("resume changes %s: %s -> %s %s", c["setting"], c["old"], c["new"], c["note"])
@@ -505,7 +460,7 @@ def _loop(cfg, info, train_dir, model, source, pool, opt, sched, feed, draft_cfg
     import torch
 
     from regen.train.checkpoint import save_checkpoint
-    from regen.train.guard import DivergenceMonitor
+    from regen.train.guard import DivergenceMonitor, raise_nonfinite
     from regen.train.parallel import all_reduce_sum
 
     seed = cfg.seed
@@ -531,7 +486,7 @@ def _loop(cfg, info, train_dir, model, source, pool, opt, sched, feed, draft_cfg
         m = train_step(model, source, opt, mbs, loss_weights=tuple(cfg.loss_weights), grad_clip=cfg.grad_clip,
                        loss_normalization=cfg.loss_normalization)
         if not m["finite"]:  # every rank agreed (train_step): stop before anything is saved
-            raise_nonfinite(step + 1, m, batch_step, ckpt, info, train_dir)
+            raise_nonfinite(step + 1, m, batch_step, ckpt, info, train_dir)  # regen.train.guard
         sched.step()
         step, steps_here = step + 1, steps_here + 1
         step_s = time.perf_counter() - t0
@@ -606,54 +561,6 @@ def _loop(cfg, info, train_dir, model, source, pool, opt, sched, feed, draft_cfg
         write_json_atomic(summary, train_dir / "summary.json")
     target.close()
     return summary
-
-
-def choose_resume(train_dir: Path, info):
-    """(step folder to resume from or None, the fallback warning or None), chosen on rank 0 (it verifies the
-    folders, `regen.train.checkpoint.find_resume`) and the same on every rank; CheckpointError on every rank when
-    step folders exist and none is intact."""
-    import torch.distributed as dist
-
-    from regen.train.checkpoint import find_resume
-    from regen.train.parallel import raise_if_any_rank_failed
-
-    box, error = [None, None], None
-    if info.is_main:
-        try:
-            box = list(find_resume(train_dir))
-        except InputError as exc:
-            error = exc
-    raise_if_any_rank_failed(error)
-    if info.world_size > 1:
-        dist.broadcast_object_list(box, src=0)
-    if box[1] and info.is_main:
-        log.warning("%s", box[1])
-    return (Path(box[0]) if box[0] else None), box[1]
-
-
-def raise_nonfinite(step: int, m: dict, batch_step, last_good, info, train_dir: Path) -> None:
-    """Raise `NonFiniteStep` for step `step` on every rank (collective: each rank's rows are gathered so the
-    message names them all); the reason also goes to `<train_dir>/stopped.json` (rank 0)."""
-    import torch.distributed as dist
-
-    from regen.train.guard import nonfinite_step_error
-
-    mine = {"loss_finite": not m["bad_microbatches"], "grad_norm": m["grad_norm"],
-            "sample_ids": [list(mb.sample_ids) for mb in batch_step.microbatches],
-            "bad_microbatches": m["bad_microbatches"]}
-    gathered = [mine]
-    if info.world_size > 1:
-        gathered = [None] * info.world_size
-        dist.all_gather_object(gathered, mine)
-    err = nonfinite_step_error(step, mine, gathered, last_good)
-    if info.is_main:
-        from schemas.io import write_json_atomic
-
-        log.error("%s", err)
-        write_json_atomic({"reason": "non_finite_step", "step": step, "ranks": gathered,
-                           "last_good_checkpoint": str(last_good) if last_good else None, "message": str(err)},
-                          train_dir / "stopped.json")
-    raise err
 
 
 def _fmt(x) -> str:

@@ -53,9 +53,21 @@ def shards_digest(manifest: dict, count: int | None = None) -> str:
     return hashlib.sha256(json.dumps(entries).encode()).hexdigest()
 
 
+TOKENIZER_EXTRA = ("vocab.json", "merges.txt", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja")
+
+
+def tokenizer_files_hash(path: Path) -> str:
+    """sha256 over a model directory's tokenizer files (name and content): `tokenizer*`, `*.tiktoken` and
+    TOKENIZER_EXTRA, in name order. The same vocabulary size with other ids changes it."""
+    h = hashlib.sha256()
+    for f in sorted(Path(path).iterdir()):
+        if f.is_file() and (f.name.startswith("tokenizer") or f.name.endswith(".tiktoken") or f.name in TOKENIZER_EXTRA):
+            h.update(f.name.encode() + b"\0" + hashlib.sha256(f.read_bytes()).digest())
+    return h.hexdigest()
+
+
 def resume_key(cfg, *, shards_manifest: dict | None, target_path: Path, world_size: int, total_steps: int) -> dict:
     """This run's record (module docstring); JSON-ready."""
-    from regen.render.hf_template import tokenizer_files_hash
     from regen.train.target_head import target_revision
 
     manifest = shards_manifest or {}
@@ -71,12 +83,13 @@ def resume_key(cfg, *, shards_manifest: dict | None, target_path: Path, world_si
     }
 
 
-def check_resume(checkpoint: Path, now: dict, *, shards_manifest: dict | None, follow: bool) -> list[dict]:
+def check_resume(checkpoint: Path, now: dict, *, shards_manifest: dict | None, follow: bool,
+                 lr_lambda=None) -> list[dict]:
     """Compare `checkpoint`'s training.json `resume_key` with `now` (`resume_key`). Raises ResumeMismatch naming
     every refused difference (both values, the --set that restores it, and the way to change it instead); returns
-    the applied changes [{"setting", "old", "new", "note"}] ([] for a checkpoint written before the record)."""
-    from regen.train.loop import lr_lambda
-
+    the applied changes [{"setting", "old", "new", "note"}] (one note for a checkpoint written before the record).
+    `lr_lambda(total_steps, warmup_frac, min_lr_frac) -> f(step)`: the schedule (`regen.train.loop.lr_lambda`),
+    to report the lr multiplier a schedule-length change gives at the restored step."""
     training = (json.loads((Path(checkpoint) / "training.json").read_text())
                 if (Path(checkpoint) / "training.json").is_file() else {})
     saved, step = training.get("resume_key"), int(training.get("step") or 0)
@@ -110,7 +123,7 @@ def check_resume(checkpoint: Path, now: dict, *, shards_manifest: dict | None, f
     for key in APPLIED:
         if key in saved and saved[key] != now.get(key):
             note = ""
-            if key == "total_steps":
+            if key == "total_steps" and lr_lambda is not None:
                 old_f = lr_lambda(saved[key], saved["warmup_frac"], saved["min_lr_frac"])
                 new_f = lr_lambda(now[key], now["warmup_frac"], now["min_lr_frac"])
                 note = (f"the schedule is recomputed over {now[key]} steps: the lr multiplier at step {step} goes "
