@@ -461,7 +461,7 @@ def _loop(cfg, info, train_dir, model, source, pool, opt, sched, feed, draft_cfg
 
     from regen.train.checkpoint import save_checkpoint
     from regen.train.guard import DivergenceMonitor, raise_nonfinite
-    from regen.train.parallel import all_reduce_sum
+    from regen.train.parallel import all_reduce_sum, raise_if_any_rank_failed
 
     seed = cfg.seed
 
@@ -473,13 +473,19 @@ def _loop(cfg, info, train_dir, model, source, pool, opt, sched, feed, draft_cfg
     steps = feed.steps(num_epochs=num_epochs)
     divergence = DivergenceMonitor()
     while step < total_steps and (stop_after_steps is None or steps_here < stop_after_steps):
-        batch_step = next(steps, None)  # pulled only when it will be trained: the feed position advances here
+        t0, error, mbs = time.perf_counter(), None, []
+        try:  # a bad shard or row on one rank stops every rank now, not at the process-group timeout
+            batch_step = next(steps, None)  # pulled only when it will be trained: the feed position advances here
+            if batch_step is not None:
+                mbs = [prepare_microbatch(mb, seed, draft_cfg, info.device, t2d) for mb in batch_step.microbatches]
+        except Exception as exc:  # noqa: BLE001 - agreed on by every rank, then raised on every rank
+            error = exc
+        raise_if_any_rank_failed(error)
         if batch_step is None:
             break
-        t0 = time.perf_counter()
-        zero = pool.fetch_step(batch_step.microbatches) if pool is not None else set()
-        fetch_s = time.perf_counter() - t0
-        mbs = [prepare_microbatch(mb, seed, draft_cfg, info.device, t2d) for mb in batch_step.microbatches]
+        t1 = time.perf_counter()
+        zero = pool.fetch_step(batch_step.microbatches) if pool is not None else set()  # agreed the same way
+        fetch_s = time.perf_counter() - t1
         for b, _, _ in mbs:
             if b["key"] in zero:  # its features failed on every attempt: trained with zero weight, ranks in step
                 b["loss_mask"] = torch.zeros_like(b["loss_mask"])

@@ -281,3 +281,42 @@ def test_eval_keeps_to_the_split_recorded_at_training_time(tiny_run, tmp_path):
     (folder / "MANIFEST.json").unlink()
     with pytest.raises(InputError, match="non-finite"):
         run_eval(train_cfg(profile, heldout_fraction=0.3), RunDir.at(run_dir), draft_dir=folder, **kw)
+
+
+# -- point 6: one failing rank stops every rank --------------------------------------------------------------------
+
+def _torchrun(profile, run_dir, *sets):
+    from test_parallel import _loopback_only
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "regen.train", "--", "--profile", str(profile), "--run", str(run_dir)]
+    for s in sets:
+        cmd += ["--set", s]
+    # a rank left waiting would sit in a collective for the 30-minute process-group timeout: 300 s fails the test
+    return subprocess.run(_loopback_only(cmd), env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_rank_0_failing_to_write_a_checkpoint_stops_both_ranks(tiny_run):
+    profile, run_dir = tiny_run
+    (run_dir / "train").mkdir()
+    (run_dir / "train" / "checkpoints").write_text("not a directory")  # rank 0's write fails
+    proc = _torchrun(profile, run_dir, "train.max_steps=4", "train.checkpoint_every=2")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "rank 0 could not write" in out, out[-3000:]
+    assert "rank 1" not in out or "rank 0: rank 0 could not write" in out
+    assert not (run_dir / "train" / "latest.json").exists() and not (run_dir / "train" / "summary.json").exists()
+
+
+def test_a_bad_row_on_one_rank_stops_both_ranks_naming_it(tmp_path, tiny_target):
+    from train_helpers import ShardWriter, make_rows, write_profile
+
+    writer = ShardWriter(tmp_path / "run")
+    rows = make_rows(24, seed=0)
+    rows[5]["input_ids"] = rows[5]["input_ids"][:-1] + [600]  # outside the tiny target's 512 ids
+    writer.add(rows, complete=True)
+    profile = write_profile(tmp_path / "tiny.yaml", tiny_target, max_steps=8)
+    proc = _torchrun(profile, tmp_path / "run")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "token id 600" in out and "s0-5" in out, out[-3000:]
+    assert "error: rank " in out  # the other rank stopped too, naming the failing rank and its message

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 
 from regen.errors import InputError
-from regen.train.features.contract import FeatureSpec, check_header, decode, read_header
+from regen.train.features.contract import FeatureSpec, check_header, check_values, decode, read_header
 from regen.train.features.dispatcher import post
 
 log = logging.getLogger(__name__)
@@ -97,6 +97,7 @@ class RemoteFeatures:
                 check_header(header, self.spec, epoch=mb.epoch, index=mb.index, input_ids=mb.input_ids,
                              attention_mask=mb.attention_mask)
                 taps, last = decode(view, header)
+                check_values(header, taps, last, epoch=mb.epoch, index=mb.index)  # non-finite: a contract breach
             finally:
                 del view, handle
             if header["last_hidden_norm"] == "pre_final_norm":
