@@ -24,6 +24,7 @@ import hashlib
 import json
 import logging
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -315,7 +316,7 @@ class FeaturePool:
         if self.dispatcher is not None:
             st = self.dispatcher.status()
             out["dispatcher"] = st["stats"]
-            out["producers"] = st["producers"]
+            out["producers"] = self._observe_local(st["producers"])
             # what the pool can give: each producer's rows per second of its own work, summed over the live ones
             each = [p["rows"] / p["busy_s"] for p in st["producers"] if p["busy_s"] > 0 and p["alive"]]
             out["producer_rows_per_s"] = sum(each) if each else None
@@ -326,6 +327,29 @@ class FeaturePool:
         if self.watch is not None:
             out["store_allocated_bytes_max"] = self.watch.max_allocated
             out["store_samples"] = len(self.watch.samples)
+        return out
+
+    def _observe_local(self, producers: list[dict]) -> list[dict]:
+        """The dispatcher's view of each producer, corrected by what this process sees of its own local producer
+        processes now: one that exited with a signal or a non-zero status is dead whatever the dispatcher has yet
+        noticed (a SIGKILL less than lease_timeout_s before the run ended); `observed` says which source and when."""
+        from regen.train.features.dispatcher import _iso
+
+        codes = {proc.pid: proc.poll() for proc in self.procs}
+        out = []
+        for p in producers:
+            if p.get("pid") in codes and p.get("host") == socket.gethostname():
+                code, now = codes[p["pid"]], _iso(time.time())
+                if code is None:
+                    p = {**p, "process": f"running at {now}"}
+                elif code == 0:
+                    p = {**p, "process": f"exited normally (status 0), seen at {now}"}
+                else:
+                    how = f"signal {-code}" if code < 0 else f"status {code}"
+                    p = {**p, "alive": False, "state": "dead", "process": f"exited with {how}, seen at {now}",
+                         "observed": f"dead: its process exited with {how} (seen by the pool at {now}; the "
+                                     f"dispatcher last heard from it at {p.get('last_seen_at')})"}
+            out.append(p)
         return out
 
     def close(self) -> None:
