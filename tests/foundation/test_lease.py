@@ -30,7 +30,7 @@ def test_a_second_writer_exits_at_once_naming_the_holder(tmp_path):
 
 def _write(tmp_path, name, **fields):
     now = time.time()
-    rec = {"stage": name, "host": "other-host", "pid": 4242, "since": now - 600, "renewed": now - 120,
+    rec = {"stage": name.split("-")[0], "host": "other-host", "pid": 4242, "since": now - 600, "renewed": now - 120,
            "expires": now - 60, "ttl_s": 60, "token": "x", **fields}
     (tmp_path / f".lease-{name}.json").write_text(json.dumps(rec))
     return rec
@@ -103,3 +103,19 @@ def test_render_and_train_refuse_a_second_writer(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(LeaseHeld, match="`regen train` on host other-host pid 4242"):
         run_train(cfg.model_copy(update={"device": "cpu"}), RunDir.at(tmp_path))
+
+
+def test_generate_refuses_while_select_holds_the_run_and_a_second_generate(tmp_path):
+    from regen.config import load_profile
+    from regen.generate.stage import prepare
+    from regen.rundir import RunDir
+
+    cfg, run = load_profile("local").generate, RunDir.at(tmp_path)
+    assert prepare(cfg, run)["recovered"] is not None  # nothing held: it runs and releases its lease
+    assert not list(tmp_path.glob(".lease-*"))
+    with Lease(tmp_path, "select"):
+        with pytest.raises(LeaseHeld, match="`regen select` on host"):
+            prepare(cfg, run)
+    _write(tmp_path, "generate-generations", expires=time.time() + 600)  # another host's generate
+    with pytest.raises(LeaseHeld, match="`regen generate` on host other-host pid 4242"):
+        prepare(cfg, run)

@@ -320,3 +320,35 @@ def test_a_bad_row_on_one_rank_stops_both_ranks_naming_it(tmp_path, tiny_target)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0 and "token id 600" in out and "s0-5" in out, out[-3000:]
     assert "error: rank " in out  # the other rank stopped too, naming the failing rank and its message
+
+
+def test_a_fresh_start_never_overwrites_another_runs_step_folders(tiny_run, tmp_path):
+    """A training directory holding another run's checkpoints (latest.json lost): never a silent fresh start."""
+    from train_helpers import ShardWriter, make_rows
+
+    from regen.train.resume import ResumeMismatch
+
+    profile, run_dir = tiny_run
+    other = tmp_path / "other"
+    writer = ShardWriter(other)
+    writer.add(make_rows(40, seed=7), complete=True)
+    run_train(train_cfg(profile, max_steps=2, checkpoint_every=1, keep_checkpoints=0), RunDir.at(other))
+    shutil.copytree(other / "train" / "checkpoints", run_dir / "train" / "checkpoints")
+    before = {p: p.read_bytes() for p in (run_dir / "train" / "checkpoints").rglob("*") if p.is_file()}
+    with pytest.raises(ResumeMismatch, match="shards: checkpoint"):
+        run_train(train_cfg(profile, max_steps=2, checkpoint_every=1), RunDir.at(run_dir))
+    after = {p: p.read_bytes() for p in (run_dir / "train" / "checkpoints").rglob("*") if p.is_file()}
+    assert after == before
+
+
+def test_two_ranks_resumed_on_one_rank_with_the_same_global_batch_is_applied_and_reported(tiny_run):
+    profile, run_dir = tiny_run
+    proc = _torchrun(profile, run_dir, "train.max_steps=2", "train.checkpoint_every=2", "train.grad_accum=1")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    s = run_train(train_cfg(profile, max_steps=3, grad_accum=2), RunDir.at(run_dir))  # 1 x 2 = 2 x 1
+    changes = {c["setting"]: (c["old"], c["new"]) for c in s["resume"]["changes"]}
+    assert changes["world_size"] == (2, 1) and changes["grad_accum"] == (1, 2) and s["steps"] == 3
+    from regen.train.resume import ResumeMismatch
+
+    with pytest.raises(ResumeMismatch, match=r"global_batch: checkpoint 2, now 1 .*world size x train.grad_accum = 2"):
+        run_train(train_cfg(profile, max_steps=4, grad_accum=1), RunDir.at(run_dir))
