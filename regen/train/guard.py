@@ -94,10 +94,9 @@ class DivergenceMonitor:
 
 def raise_nonfinite(step: int, m: dict, batch_step, last_good, info, train_dir: Path) -> None:
     """Raise `NonFiniteStep` for step `step` on every rank (collective: each rank's rows are gathered so the
-    message names them all); the reason also goes to `<train_dir>/stopped.json` (rank 0)."""
+    message names them all); the reason also goes to `<train_dir>/stopped.json` (rank 0; the next run of the
+    directory removes it when it starts)."""
     import torch.distributed as dist
-
-    from regen.train.guard import nonfinite_step_error
 
     mine = {"loss_finite": not m["bad_microbatches"], "grad_norm": m["grad_norm"],
             "sample_ids": [list(mb.sample_ids) for mb in batch_step.microbatches],

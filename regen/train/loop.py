@@ -428,7 +428,7 @@ def _train(cfg, run, info, target_path: Path, train_dir: Path, *, follow: bool,
                      "heldout": {"fraction": cfg.heldout_fraction, "rule": HELDOUT_RULE},
                      "resume": {"from": str(resume_from) if resume_from else None, "fallback": fallback,
                                 "changes": changes}}
-    if info.is_main:  # the held-out split `regen eval` must keep to (regen.train.eval.eval_heldout_fraction)
+    if info.is_main:  # the held-out split `regen eval` must keep to (regen.train.heldout.eval_heldout_fraction)
         from schemas.io import write_json_atomic
 
         train_dir.mkdir(parents=True, exist_ok=True)
@@ -470,6 +470,9 @@ def _loop(cfg, info, train_dir, model, source, pool, opt, sched, feed, draft_cfg
     totals = torch.zeros(5, dtype=torch.float64)  # tokens, target s, step s, feature fetch s, rows (this rank)
     ckpt, steps_here = resume_from, 0
     train_dir.mkdir(parents=True, exist_ok=True)
+    if info.is_main and (train_dir / "stopped.json").exists():  # the last run's stop (regen.train.guard): said, gone
+        log.info("the previous run stopped: %s", json.loads((train_dir / "stopped.json").read_text())["message"])
+        (train_dir / "stopped.json").unlink()
     steps = feed.steps(num_epochs=num_epochs)
     divergence = DivergenceMonitor()
     while step < total_steps and (stop_after_steps is None or steps_here < stop_after_steps):

@@ -352,3 +352,19 @@ def test_two_ranks_resumed_on_one_rank_with_the_same_global_batch_is_applied_and
 
     with pytest.raises(ResumeMismatch, match=r"global_batch: checkpoint 2, now 1 .*world size x train.grad_accum = 2"):
         run_train(train_cfg(profile, max_steps=4, grad_accum=1), RunDir.at(run_dir))
+
+
+def test_resume_with_another_tokenizer_of_the_same_vocabulary_is_refused(tiny_run, tiny_target, tmp_path):
+    from train_helpers import write_profile
+
+    from regen.train.resume import ResumeMismatch
+
+    _, run_dir = tiny_run
+    target = tmp_path / "target"
+    shutil.copytree(tiny_target, target)
+    (target / "tokenizer.json").write_text('{"model": {"vocab": {"a": 3}}}')
+    profile = write_profile(tmp_path / "t.yaml", target)
+    run_train(train_cfg(profile, max_steps=1), RunDir.at(run_dir))
+    (target / "tokenizer.json").write_text('{"model": {"vocab": {"b": 3}}}')  # same size, other ids
+    with pytest.raises(ResumeMismatch, match="target_tokenizer: checkpoint .* point train.target at the checkpoint"):
+        run_train(train_cfg(profile, max_steps=2), RunDir.at(run_dir))
