@@ -79,7 +79,9 @@ def save_checkpoint(train_dir: Path, step: int, model, optimizer, scheduler, fee
         if keep > 0:
             for old in sorted(root.glob("step-*"))[:-keep]:
                 shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
+    from regen.train.collectives import control_barrier
+
+    control_barrier()  # the others wait under the control plane's timeout, not the NCCL watchdog's
     return final
 
 

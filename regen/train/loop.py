@@ -165,8 +165,9 @@ def make_objective(draft):
         def config(self):
             return self.draft.config
 
-        def forward(self, batch, features, anchors, keep, weights=(0.1, 0.9, 1.0)):
-            return dspark_loss(self.draft, batch, features, anchors, keep, weights=weights)
+        def forward(self, batch, features, anchors, keep, weights=(0.1, 0.9, 1.0), denominator=None):
+            return dspark_loss(self.draft, batch, features, anchors, keep, weights=weights,
+                               denominator=denominator, metrics_on_device=denominator is not None)
 
     return Objective(draft)
 
@@ -228,12 +229,12 @@ def draft_vocabulary(draft_cfg, feed, resume_from, *, follow: bool = False):
         log.info("draft vocabulary: %d ids, %d distinct supervised tokens seen, coverage %.4f", report["size"],
                  report["distinct_seen"], report["coverage"])
     if dist.get_world_size() > 1:
+        from regen.train.collectives import control_broadcast, control_broadcast_object_list
+
         box = [report]
-        dist.broadcast_object_list(box, src=0)
+        control_broadcast_object_list(box, src=0)
         report = box[0]
-        ids = ids.to("cuda" if dist.get_backend() == "nccl" else "cpu")
-        dist.broadcast(ids, src=0)
-        ids = ids.cpu()
+        control_broadcast(ids, 0, "the draft vocabulary's target ids")
     return ids, report
 
 
@@ -259,7 +260,8 @@ def prepare_microbatch(mb, seed: int, draft_cfg, device, t2d=None):
     anchors, keep = sample_anchors(mb.loss_mask, draft_cfg.num_anchors, gen)  # an anchor token is only an input
     loss_mask = mb.loss_mask if t2d is None else mb.loss_mask & t2d.cpu()[mb.input_ids]
     batch = {"input_ids": mb.input_ids.to(device), "loss_mask": loss_mask.to(device),
-             "attention_mask": mb.attention_mask.to(device), "key": (mb.epoch, mb.index)}
+             "attention_mask": mb.attention_mask.to(device), "key": (mb.epoch, mb.index),
+             "num_tokens": int(mb.attention_mask.sum())}  # counted on the host copy: no device read
     return batch, anchors.to(device), keep.to(device)
 
 
@@ -272,11 +274,14 @@ def train_step(model, target, opt, microbatches, *, loss_weights=(0.1, 0.9, 1.0)
     accumulating their batches. "micro_batch" (the reference, DS trainer): (1/A) Σ_i Σ_ranks w·term_i / Σ_ranks w_i,
     each micro-batch normalised by its own weight sum over ranks, then averaged over the A accumulation steps.
     Returns this rank's partial sums (reduce with `reduce_metrics`), tokens, target seconds, grad norm.
+    Host reads: one per step (the loss weights, for the control-plane all-reduce); the metric sums and the grad
+    norm stay on the training device until `reduce_metrics` reads them at a log step.
     """
     import torch
 
     from regen.train.loss import decay_weights, evaluation_mask
-    from regen.train.parallel import all_reduce_sum, clip_grad_norm, set_gradient_sync
+    from regen.train.collectives import control_all_reduce_sum
+    from regen.train.parallel import clip_grad_norm, set_gradient_sync
 
     cfg = model.config
     world = torch.distributed.get_world_size()
@@ -285,45 +290,51 @@ def train_step(model, target, opt, microbatches, *, loss_weights=(0.1, 0.9, 1.0)
     for b, a, k in microbatches:
         ev = evaluation_mask(a, k, b["loss_mask"], cfg.block_size)
         gamma_w = decay_weights(cfg.block_size, cfg.loss_decay_gamma, ev.device) if gamma_w is None else gamma_w
-        local_w.append((ev * gamma_w).sum().double().cpu())
-    global_w = all_reduce_sum(torch.stack(local_w))  # Σ over ranks, per micro-batch slot
-    step_w = float(global_w.sum())
+        local_w.append((ev * gamma_w).sum())
+    # Σ over ranks, per micro-batch slot: host values (one read per step), agreed on the control plane
+    global_w = control_all_reduce_sum(torch.stack(local_w).double().cpu(), "the step's loss weights").tolist()
+    step_w = sum(global_w)
     if loss_normalization not in ("step", "micro_batch"):
         raise ValueError(f"loss_normalization {loss_normalization!r}: use 'step' or 'micro_batch'")
-    sums = torch.zeros(6, dtype=torch.float64)  # loss, ce, l1, conf, tau_prob·blocks, blocks (supervised ones)
+    dev = microbatches[0][0]["input_ids"].device if microbatches else None
+    sums = torch.zeros(6, dtype=torch.float64, device=dev)  # loss, ce, l1, conf, tau_prob·blocks, blocks (supervised)
     t_target = 0.0
     for i, (batch, anchors, keep) in enumerate(microbatches):
         set_gradient_sync(model, i == len(microbatches) - 1)
         tt = time.perf_counter()
         features = target.features_of(batch)
         t_target += time.perf_counter() - tt
-        loss, m = model(batch, features, anchors, keep, weights=loss_weights)
+        loss, m = model(batch, features, anchors, keep, weights=loss_weights, denominator=global_w[i])
         if loss_normalization == "micro_batch":
             scale = 1.0 / len(microbatches)
         else:
-            scale = float(global_w[i]) / step_w if step_w > 0 else 0.0
+            scale = global_w[i] / step_w if step_w > 0 else 0.0
         (loss * scale).backward()
-        # dspark_loss: loss = Σ_rank w·L / Σ_ranks w · world; metrics ce/l1/conf = that / world
-        sums += torch.tensor([m["loss"] * scale / world, m["ce"] * scale, m["l1"] * scale, m["conf"] * scale,
-                              m["tau_probabilistic"] * m["num_supervised_blocks"], m["num_supervised_blocks"]],
-                             dtype=torch.float64)
-    grad_norm = clip_grad_norm(model, grad_clip)
+        # dspark_loss: loss = Σ_rank w·L / Σ_ranks w · world; metrics ce/l1/conf = that / world (device tensors)
+        nsb = m["num_supervised_blocks"].double()
+        sums += torch.stack([m["loss"].double() * (scale / world), m["ce"].double() * scale,
+                             m["l1"].double() * scale, m["conf"].double() * scale,
+                             m["tau_probabilistic"].double() * nsb, nsb])
+    grad_norm = clip_grad_norm(model, grad_clip, as_tensor=True)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    tokens = sum(int(b["attention_mask"].sum()) for b, _, _ in microbatches)
+    tokens = sum(b["num_tokens"] if "num_tokens" in b else int(b["attention_mask"].sum()) for b, _, _ in microbatches)
     return {"sums": sums, "tokens": tokens, "target_s": t_target, "grad_norm": grad_norm, "weight": step_w}
 
 
 def reduce_metrics(m: dict) -> dict:
-    """Step metrics over all ranks from `train_step`'s partial sums (collective)."""
+    """Step metrics over all ranks from `train_step`'s partial sums (collective, control plane). The device
+    values are read to the host here, once (a log step's one synchronisation)."""
     import torch
 
-    from regen.train.parallel import all_reduce_sum
+    from regen.train.collectives import control_all_reduce_sum
 
-    g = all_reduce_sum(torch.cat([m["sums"], torch.tensor([float(m["tokens"])], dtype=torch.float64)]))
-    return {"loss": g[0].item(), "ce": g[1].item(), "l1": g[2].item(), "conf": g[3].item(),
-            "tau_probabilistic": g[4].item() / max(1.0, g[5].item()), "tokens": int(g[6].item()),
-            "grad_norm": m["grad_norm"], "weight": m["weight"]}
+    host = torch.cat([m["sums"].detach().double().flatten(),
+                      torch.as_tensor(m["grad_norm"]).detach().double().flatten().to(m["sums"].device)]).cpu()
+    g = control_all_reduce_sum(torch.cat([host[:-1], torch.tensor([float(m["tokens"])], dtype=torch.float64)]),
+                               "the step's metric sums").tolist()
+    return {"loss": g[0], "ce": g[1], "l1": g[2], "conf": g[3], "tau_probabilistic": g[4] / max(1.0, g[5]),
+            "tokens": int(g[6]), "grad_norm": float(host[-1]), "weight": m["weight"]}
 
 
 def run_train(cfg, run, *, follow: bool = False, stop_after_steps: int | None = None,
@@ -372,7 +383,7 @@ def _train(cfg, run, info, target_path: Path, train_dir: Path, *, follow: bool,
     from regen.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
     from regen.train.model import DSparkDraft
     from regen.train.feed import ShardFeed
-    from regen.train.parallel import all_reduce_sum, shard_model
+    from regen.train.parallel import shard_model
     from regen.train.target import TargetContract, TargetFeatures, declared_contract
     from transformers import AutoConfig
 
@@ -477,7 +488,7 @@ def _loop(cfg, info, train_dir, model, source, pool, opt, sched, feed, draft_cfg
     import torch
 
     from regen.train.checkpoint import save_checkpoint
-    from regen.train.parallel import all_reduce_sum
+    from regen.train.collectives import control_all_reduce_sum
 
     seed = cfg.seed
 
@@ -531,7 +542,7 @@ def _loop(cfg, info, train_dir, model, source, pool, opt, sched, feed, draft_cfg
     if ckpt is None or not ckpt.name.endswith(f"{step:06d}"):
         ckpt = save_checkpoint(train_dir, step, model, opt, sched, feed, training=training_meta,
                                keep=cfg.keep_checkpoints)
-    totals = all_reduce_sum(totals)
+    totals = control_all_reduce_sum(totals, "the run's totals")
     summary = {
         "rank": info.rank, "world_size": info.world_size, "device": str(info.device), "steps": step,
         "total_steps": total_steps, "tokens": int(totals[0]), "tokens_per_s": float(totals[0]) / max(1e-9, loop_s),
@@ -550,7 +561,8 @@ def _loop(cfg, info, train_dir, model, source, pool, opt, sched, feed, draft_cfg
         step_s, fetch_s, rows = float(totals[2]) / info.world_size, float(totals[3]) / info.world_size, float(totals[4])
         report = pool.report(step_s)
         busy = step_s - report["wait_s"]  # the loop without waiting for producers: features read, draft trained
-        cpu = all_reduce_sum(torch.tensor([time.process_time() - cpu_start], dtype=torch.float64))
+        cpu = control_all_reduce_sum(torch.tensor([time.process_time() - cpu_start], dtype=torch.float64),
+                                     "CPU seconds")
         steady = step_s - report["first_wait_s"]  # after the first feature object: the producers are up
         summary["features"] = {**report, "fetch_s": fetch_s,
                                "data_wait_fraction": report["wait_s"] / step_s if step_s > 0 else 0.0,

@@ -35,20 +35,24 @@ def _loopback_only(cmd: list[str]) -> list[str]:
     return cmd
 
 @pytest.mark.parametrize("draft_vocab_size", [0, 300])  # 300: chosen on rank 0, broadcast
-def test_two_ranks_equal_one_rank_with_the_same_global_batch(tiny_run, tmp_path, draft_vocab_size):
+def test_two_ranks_equal_one_rank_with_the_same_global_batch(tiny_run, tmp_path, draft_vocab_size, monkeypatch):
+    """Both runs check their collectives as a GPU run would (NCCL declared: no CPU tensor on the hot plane)."""
     profile, run_dir = tiny_run
+    monkeypatch.setenv("REGEN_TRAIN_DECLARE_BACKEND", "nccl")
     two = tmp_path / "two"
     import shutil
 
     shutil.copytree(run_dir / "shards", two / "shards")
     # eps large against rounding-level gradients: Adam's first step is ~sign(g), so tiny gradients would flip
-    common = ["train.max_steps=2", "train.log_samples=true", "train.adam_eps=1e-4", "train.lr=1e-2",
+    # dtype pinned: on a CPU with native bf16 `auto` picks bf16, whose rounding is far above this test's 1e-4
+    common = ["train.max_steps=2", "train.log_samples=true", "train.adam_eps=1e-4", "train.lr=1e-2", "train.dtype=float32",
               f"train.draft_vocab_size={draft_vocab_size}"]
     cfg = load_profile(str(profile), common + ["train.grad_accum=2"]).train
     one = run_train(cfg, RunDir.at(run_dir))
     assert one["world_size"] == 1 and one["steps"] == 2
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "REGEN_TRAIN_DECLARE_BACKEND": "nccl"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "-m", "regen.train", "--", "--profile", str(profile), "--run", str(two)]
     for c in common + ["train.grad_accum=1"]:

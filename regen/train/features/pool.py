@@ -138,8 +138,7 @@ class FeaturePool:
     @classmethod
     def start(cls, pcfg, *, info, spec: FeatureSpec, head, plan_feed, num_epochs, num_steps: int, max_tokens: int,
               max_batch: int, train_dir: Path, target_path: str) -> "FeaturePool":
-        import torch.distributed as dist
-
+        from regen.train.collectives import control_all_gather_object, control_broadcast_object_list
         from regen.train.features.client import RemoteFeatures
         from regen.train.features.dispatcher import Dispatcher
         from regen.train.features.store import MooncakeMaster, StoreClient
@@ -163,7 +162,7 @@ class FeaturePool:
                     metrics_url = pool.master.metrics_url if metrics_url == "auto" else metrics_url
             box = [(master_addr, metrics_url)]
             if W > 1:
-                dist.broadcast_object_list(box, src=0)
+                control_broadcast_object_list(box, src=0)
             master_addr, metrics_url = box[0]
             metrics_url, hostname, dispatcher_host = resolve_addresses(pcfg, master_addr, metrics_url)
             pool.store = StoreClient(master_addr, segment_bytes=seg, local_buffer_bytes=buf,
@@ -171,7 +170,7 @@ class FeaturePool:
                                      device=pcfg.store.device)
             segments = [None] * W
             if W > 1:
-                dist.all_gather_object(segments, pool.store.segment)
+                control_all_gather_object(segments, pool.store.segment)
             else:
                 segments = [pool.store.segment]
             url = None
@@ -200,7 +199,7 @@ class FeaturePool:
                 pool._spawn_local(pcfg, url, fdir)
             box = [url]
             if W > 1:
-                dist.broadcast_object_list(box, src=0)
+                control_broadcast_object_list(box, src=0)
             pool.features = RemoteFeatures(box[0], pool.store, spec, head, info.device,
                                            no_producer_timeout_s=pcfg.no_producer_timeout_s,
                                            startup_timeout_s=pcfg.startup_timeout_s)
@@ -278,7 +277,7 @@ class FeaturePool:
     def fetch_step(self, microbatches) -> set[tuple[int, int]]:
         """Fetch one step's features on this rank (collective: every rank learns if any rank must stop). Returns
         the (epoch, index) of micro-batches to train with a zeroed loss mask (`on_failure: zero_loss`)."""
-        from regen.train.parallel import raise_if_any_rank_failed
+        from regen.train.collectives import raise_if_any_rank_failed
 
         error, zero = None, set()
         try:
@@ -299,13 +298,13 @@ class FeaturePool:
 
     def report(self, step_s: float) -> dict:
         """The producer-vs-trainer balance: data-wait fraction of the loop, feature bytes/s, rows/s each side."""
-        import torch.distributed as dist
+        from regen.train.collectives import control_all_gather_object
 
         f = self.features.stats
         zeroed = [self.zeroed]
         if self.info is not None and self.info.world_size > 1:
             zeroed = [None] * self.info.world_size
-            dist.all_gather_object(zeroed, self.zeroed)
+            control_all_gather_object(zeroed, self.zeroed)
         out = {"zeroed_microbatches": sorted((z for r in zeroed for z in r), key=lambda z: (z["epoch"], z["index"])),
                "objects": f["objects"], "bytes": f["bytes"], "wait_s": round(f["wait_s"], 3),
                "first_wait_s": round(f["first_wait_s"] or 0.0, 3),
