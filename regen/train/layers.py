@@ -72,7 +72,12 @@ def softmax_scale(cfg: DSparkConfig, head_dim: int) -> float:
 
 
 def apply_rope(x, cos, sin, interleave: bool):
-    """x [..., L, R] rotated at cos/sin [.., L, R/2]; interleaved pairs (2i, 2i+1) or halves (i, i+R/2)."""
+    """x [..., L, R] rotated at cos/sin [.., L, R/2]; interleaved pairs (2i, 2i+1) or halves (i, i+R/2).
+
+    cos/sin are cast to x's dtype (HF style): fp32 tables would promote bf16 q/k to fp32 and SDPA would refuse
+    q/k fp32 with v bf16 wherever no FSDP2 `cast_forward_inputs` casts them (an unwrapped bf16 draft).
+    """
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     if interleave:
         x1, x2 = x[..., 0::2], x[..., 1::2]
         return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)

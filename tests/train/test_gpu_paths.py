@@ -156,3 +156,94 @@ def test_the_control_plane_outwaits_the_designed_waits_and_nccl_outwaits_it():
     waits = [cfg.producers.startup_timeout_s, cfg.producers.no_producer_timeout_s, cfg.follow_timeout_s]
     assert control > max(waits) and hot > control
     assert collectives.collective_timeouts() == (1800.0, 2100.0)
+
+
+# -- point 7: the step's metrics stay on the device; host reads counted ---------------------------------------
+
+READS = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__", "__index__")
+
+
+class HostReads:
+    """Counts calls, from regen's own code, of the tensor methods that read a value to the host (`float(t)`,
+    `t.item()`, `t.cpu()`, ...). torch's own reads are left out: AdamW's step counters are host tensors by design
+    (`state["step"]` lives on the CPU unless capturable), so on a GPU they cost no synchronisation."""
+
+    def __init__(self, monkeypatch):
+        import inspect
+
+        self.count, self.where = 0, []
+        regen_dir = str(REPO / "regen")
+        for name in READS:
+            orig = getattr(torch.Tensor, name)
+
+            def counted(self_, *a, __orig=orig, __name=name, **k):
+                caller = inspect.currentframe().f_back
+                if caller.f_code.co_filename.startswith(regen_dir):
+                    self.count += 1
+                    self.where.append(f"{__name} {caller.f_code.co_filename}:{caller.f_lineno}")
+                return __orig(self_, *a, **k)
+
+            monkeypatch.setattr(torch.Tensor, name, counted)
+
+
+@pytest.mark.parametrize("grad_accum", [1, 3])
+def test_host_reads_per_step_do_not_grow_with_micro_batches(tiny_run, target, dist_info, monkeypatch, grad_accum):
+    """One host read per step (the loss weights, agreed on the control plane), whatever the number of micro-batches;
+    the metrics are read once at a log step. Before issue 26: about 13 per micro-batch + 3 per step."""
+    model, opt = build(target, dist_info)
+    src = CachedFeatures(target)
+    batches = steps(tiny_run[1], grad_accum, 2, model.config)
+    for mbs in batches:  # features cached outside the count: the producers' side is not the step's
+        for b, _, _ in mbs:
+            src.features_of(b)
+    reads = HostReads(monkeypatch)
+    per_step = []
+    for mbs in batches:
+        before = reads.count
+        m = train_step(model, src, opt, mbs)
+        per_step.append(reads.count - before)
+    before = reads.count
+    r = reduce_metrics(m)
+    at_log = reads.count - before
+    monkeypatch.undo()
+    assert per_step == [2, 2], reads.where  # .cpu() of the loss weights, .tolist() of their host sum
+    assert at_log <= 3, reads.where  # .cpu() of the sums and grad norm, .tolist() of the reduced sums, the norm
+    assert r["loss"] > 0 and r["tokens"] > 0
+
+
+# -- point 9: bf16 through FSDP2's mixed precision, in CI -----------------------------------------------------
+
+def test_a_tiny_draft_trains_in_bf16_through_fsdp_mixed_precision(tiny_run, target, dist_info):
+    model, opt = build(target, dist_info, param_dtype=torch.bfloat16)
+    src = CachedFeatures(target)
+    (mbs,) = steps(tiny_run[1], 2, 1, model.config)
+    seen = {}
+    layer = model.draft.layers[0]
+    hook = layer.register_forward_pre_hook(
+        lambda mod, args: seen.update(h=args[0].dtype, w=mod.mlp.up_proj.weight.dtype))
+    losses = []
+    for _ in range(4):  # the same step four times: the loss must fall
+        losses.append(reduce_metrics(train_step(model, src, opt, mbs))["loss"])
+    hook.remove()
+    assert seen == {"h": torch.bfloat16, "w": torch.bfloat16}  # computed in bf16 ...
+    master = [p for p in model.parameters() if p.requires_grad]
+    assert {p.dtype for p in master} == {torch.float32}  # ... master weights and optimizer state in fp32
+    assert all(torch.isfinite(p.full_tensor() if hasattr(p, "full_tensor") else p).all() for p in master)
+    assert all(torch.isfinite(torch.tensor(x)) for x in losses) and losses[-1] < losses[0], losses
+
+
+def test_an_unwrapped_bf16_draft_runs_forward(target):
+    """Outside fully_shard nothing casts the rotary cos/sin to bf16: the layers must (gpu-readiness 1.3)."""
+    torch.manual_seed(0)
+    cfg = small_config_for_target(target.config, target_layer_ids=(0, 1, 2), markov_rank=16, num_anchors=4)
+    for attention_type in ("mla", "gqa"):
+        import dataclasses
+
+        draft = DSparkDraft.from_target(target.model, dataclasses.replace(cfg, attention_type=attention_type))
+        draft = draft.to(torch.bfloat16)
+        B, S = 1, 24
+        taps = torch.randn(B, S, 3 * target.config.hidden_size, dtype=torch.bfloat16)
+        ids = torch.randint(3, 500, (B, S))
+        anchors, keep = torch.tensor([[4, 9, 15, 20]]), torch.ones(1, 4, dtype=torch.bool)
+        h = draft(taps, ids, anchors, keep)
+        assert h.dtype == torch.bfloat16 and torch.isfinite(h.float()).all()
