@@ -1,7 +1,8 @@
 """`regen train`: the bundled online trainer. Target hidden states on the fly -> DSpark draft checkpoints.
 
     regen train --profile local --run runs/local [--follow] [--max-steps N] [--out DIR]
-    torchrun --nproc_per_node 8 -m regen.train -- --profile kimi-k3 --run runs/k3 --follow
+    torchrun --nnodes 2 --nproc_per_node 4 --rdzv_endpoint TRAIN0:29500 -m regen.train -- --profile kimi-k3 \
+        --run runs/k3 --follow    # GB200: 4 GPUs per tray (docs/cluster.md)
 
 (torchrun needs the `--`: otherwise it reads `--run` as an ambiguous abbreviation of its own `--run-path`.)
 

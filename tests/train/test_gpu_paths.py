@@ -247,3 +247,62 @@ def test_an_unwrapped_bf16_draft_runs_forward(target):
         anchors, keep = torch.tensor([[4, 9, 15, 20]]), torch.ones(1, 4, dtype=torch.bool)
         h = draft(taps, ids, anchors, keep)
         assert h.dtype == torch.bfloat16 and torch.isfinite(h.float()).all()
+
+
+# -- point 2: launch and placement ----------------------------------------------------------------------------
+
+def test_a_run_that_expects_gpus_stops_where_there_are_none(monkeypatch):
+    from regen.config import load_profile
+    from regen.train.parallel import resolve_device
+
+    assert load_profile("kimi-k3").train.device == "cuda"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(InputError, match="train.device=cuda but torch .* sees no CUDA device"):
+        resolve_device("cuda", 0)
+    assert resolve_device("auto", 0) == torch.device("cpu")  # auto: CPU, with a warning
+
+
+def test_a_local_rank_beyond_the_visible_gpus_is_an_error(monkeypatch):
+    from regen.train.parallel import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert resolve_device("cuda", 3) == torch.device("cuda", 3)
+    with pytest.raises(InputError, match=r"LOCAL_RANK=4 but this node has 4 visible CUDA device.*--nproc_per_node 4"):
+        resolve_device("cuda", 4)
+
+
+class _NoRoute:
+    def __init__(self, *a):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+    def connect(self, addr):
+        raise OSError("no route")
+
+
+def test_an_auto_address_on_loopback_is_refused_for_other_nodes(monkeypatch):
+    import socket
+    import types
+
+    from regen.train.features.pool import host_address, resolve_addresses
+
+    monkeypatch.setattr(socket, "gethostbyname", lambda name: "127.0.1.1")  # Debian's /etc/hosts
+    monkeypatch.setattr(socket, "socket", _NoRoute)
+    pcfg = types.SimpleNamespace(store=types.SimpleNamespace(hostname="auto"), dispatcher_host="auto")
+    with pytest.raises(InputError, match="train.producers.store.hostname=auto resolves to the loopback address "
+                                         "127.0.1.1"):
+        resolve_addresses(pcfg, "10.0.0.5:50051", None)
+    pcfg.store.hostname = "10.0.0.7"
+    with pytest.raises(InputError, match="train.producers.dispatcher_host=auto resolves to the loopback"):
+        resolve_addresses(pcfg, "10.0.0.5:50051", None)
+    # a master on loopback is a local run: loopback is right there
+    assert resolve_addresses(pcfg, "127.0.0.1:50051", "auto") == ("http://127.0.0.1:9003/metrics", "10.0.0.7",
+                                                                 "127.0.0.1")
+    monkeypatch.setattr(socket, "gethostbyname", lambda name: "10.0.0.9")
+    assert host_address("10.0.0.5") == "10.0.0.9"

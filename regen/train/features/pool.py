@@ -47,23 +47,52 @@ def expanded(value: str | None, field: str) -> str | None:
     return out
 
 
-def host_address() -> str:
-    """This host's address as other nodes see it (its name resolved), for `auto` settings."""
+def host_address(toward: str | None = None, *, field: str = "an auto address") -> str:
+    """This host's address as other nodes see it, for `auto` settings: the source address of the route toward
+    `toward` (the master's host; connecting a UDP socket sends nothing), else the host name resolved.
+
+    Raises InputError when the result is a loopback address (127.x, ::1; Debian images map the host name to
+    127.0.1.1): other nodes could not reach it. `field` names the setting in the message.
+    """
+    import ipaddress
     import socket
 
-    return socket.gethostbyname(socket.gethostname())
+    addr = None
+    if toward:
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+                sock.connect((toward, 9))
+                addr = sock.getsockname()[0]
+        except OSError:
+            addr = None
+    if not addr or ipaddress.ip_address(addr).is_loopback:
+        try:
+            addr = socket.gethostbyname(socket.gethostname())
+        except OSError as exc:
+            raise InputError(f"{field}=auto: this host's name does not resolve ({exc}); set {field} to the address "
+                             "other nodes reach this host at") from None
+    if ipaddress.ip_address(addr).is_loopback:
+        raise InputError(f"{field}=auto resolves to the loopback address {addr} (the host name maps to it, e.g. "
+                         "127.0.1.1 in /etc/hosts), which other nodes cannot reach: set " + field + " to this "
+                         "host's address on the network the inference nodes use (e.g. ${POD_IP})")
+    return addr
 
 
 def resolve_addresses(pcfg, master: str, metrics_url: str | None) -> tuple[str, str | None, str]:
-    """(metrics URL, client hostname, dispatcher host) with `auto` resolved against the master's address."""
+    """(metrics URL, client hostname, dispatcher host) with `auto` resolved against the master's address: on
+    loopback for a loopback master (a local run), else the address routing toward the master, never loopback
+    (`host_address`)."""
+    master_host = master.rsplit(":", 1)[0] if ":" in master else master
     loopback = master.startswith(("127.", "localhost"))
     hostname = expanded(pcfg.store.hostname, "store.hostname")
     if hostname == "auto":
-        hostname = "127.0.0.1" if loopback else host_address()
+        hostname = "127.0.0.1" if loopback else host_address(master_host, field="train.producers.store.hostname")
     if metrics_url == "auto":
-        metrics_url = f"http://{master.rsplit(':', 1)[0]}:9003/metrics"
+        metrics_url = f"http://{master_host}:9003/metrics"
     dhost = expanded(pcfg.dispatcher_host, "dispatcher_host")
-    return metrics_url, hostname, host_address() if dhost == "auto" else dhost
+    if dhost == "auto":
+        dhost = "127.0.0.1" if loopback else host_address(master_host, field="train.producers.dispatcher_host")
+    return metrics_url, hostname, dhost
 
 
 def sizes_for(pcfg, spec_num_taps: int, hidden: int, dtype: str, world_size: int, max_tokens: int,
