@@ -154,6 +154,9 @@ class TrainConfig(BaseModel):
     seed: int | None = Field(None, description="the trainer's seed; null = the profile's seed")
     device: str = Field("auto", description="auto | cpu | cuda; cuda stops with an error where torch sees no CUDA "
                         "device or LOCAL_RANK is beyond the visible ones; auto falls back to cpu with a warning")
+    attention: Literal["sdpa", "flex"] = Field("sdpa", description="the draft's attention: sdpa = dense mask, "
+                                               "memory-efficient backend pinned on CUDA; flex = flex_attention "
+                                               "with a block mask (masked tiles skipped; CUDA only)")
     dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="the draft's compute dtype; auto = "
                                                           "bf16 on CUDA and on CPUs with native bf16, else fp32")
     # data feed (regen.train.feed)

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from regen.train.attention import attend
+
 if TYPE_CHECKING:
     from regen.train.draft_config import DSparkConfig
 
@@ -135,7 +137,7 @@ class MLAAttention(nn.Module):
         k_pe = apply_rope(k_pe[:, None], *rope_k, self.cfg.rope_interleave)  # one shared rotary key head
         k = torch.cat([k_nope, k_pe.expand(-1, self.nh, -1, -1)], dim=-1)
         q = torch.cat([q_nope, q_pe], dim=-1)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        o = attend(q, k, v, mask, self.scale)  # dense SDPA (pinned on CUDA) or flex with a BlockMask
         return self.o_proj(o.transpose(1, 2).reshape(B, Q, self.nh * self.dv))
 
 
@@ -165,7 +167,7 @@ class GQAAttention(nn.Module):
         k = apply_rope(k, *rope_k, self.cfg.rope_interleave)
         rep = self.nh // self.nkv
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        o = attend(q, k, v, mask, self.scale)  # dense SDPA (pinned on CUDA) or flex with a BlockMask
         return self.o_proj(o.transpose(1, 2).reshape(B, Q, self.nh * self.hd))
 
 

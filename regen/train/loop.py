@@ -423,6 +423,9 @@ def _train(cfg, run, info, target_path: Path, train_dir: Path, *, follow: bool,
 
     # -- draft, sharded -------------------------------------------------------------------------------------
     draft = DSparkDraft.from_target(target.model, draft_cfg, draft_vocab=vocab_ids).to(info.device)
+    from regen.train.attention import training_impl
+
+    draft.attention_impl = training_impl(cfg.attention, info.device)
     warm = warm_start.load_into(draft, init) if init is not None else None
     compute_dtype = _dtype(cfg.dtype, info.device)
     share_frozen_with_target(draft, target.model, compute_dtype)

@@ -306,3 +306,51 @@ def test_an_auto_address_on_loopback_is_refused_for_other_nodes(monkeypatch):
                                                                  "127.0.0.1")
     monkeypatch.setattr(socket, "gethostbyname", lambda name: "10.0.0.9")
     assert host_address("10.0.0.5") == "10.0.0.9"
+
+
+# -- point 4: attention through flex_attention with a block mask ----------------------------------------------
+
+@pytest.mark.parametrize("attention_type", ["mla", "gqa"])
+def test_flex_attention_with_the_block_mask_equals_the_dense_path(target, attention_type):
+    """fp32 on CPU, forward (torch 2.13 has no flex backward on CPU): rows of two lengths (padding), anchors near
+    the start (little context) and at the end, a dummy block (keep False: attends everywhere on both paths)."""
+    import dataclasses
+
+    torch.manual_seed(0)
+    cfg = small_config_for_target(target.config, target_layer_ids=(0, 1, 2), markov_rank=16, num_anchors=4)
+    draft = DSparkDraft.from_target(target.model, dataclasses.replace(cfg, attention_type=attention_type)).eval()
+    B, S = 2, 40
+    taps = torch.randn(B, S, 3 * target.config.hidden_size)
+    ids = torch.randint(3, 500, (B, S))
+    attention_mask = torch.ones(B, S, dtype=torch.long)
+    attention_mask[1, 30:] = 0
+    anchors = torch.tensor([[1, 9, 22, 33], [3, 12, 25, 0]])
+    keep = torch.tensor([[True, True, True, True], [True, True, True, False]])
+    with torch.no_grad():
+        dense = draft(taps, ids, anchors, keep, attention_mask_BS=attention_mask)
+        draft.attention_impl = "flex"
+        flex = draft(taps, ids, anchors, keep, attention_mask_BS=attention_mask)
+    torch.testing.assert_close(flex, dense, rtol=1e-5, atol=1e-5)
+
+
+def test_the_block_mask_skips_the_tiles_no_query_sees():
+    from regen.train.attention import dspark_block_mask
+    from regen.train.loss import create_block_attention_mask
+
+    N, K, S = 64, 4, 1024  # 256 queries, 1,280 keys: 2 x 10 tiles of 128
+    anchors = torch.arange(N)[None] * 8 + 300  # anchors from 300 to 804: the context after them is never seen
+    keep = torch.ones(1, N, dtype=torch.bool)
+    bm = dspark_block_mask(anchors, keep, S, K)
+    dense = create_block_attention_mask(anchors, keep, S, K)
+    assert dense.float().mean() < 0.5
+    # the BlockMask's own count of the tiles it computes: fewer than all
+    sparsity = bm.sparsity()  # percent of tiles skipped
+    assert sparsity > 20, bm
+
+
+def test_flex_for_training_off_cuda_is_refused():
+    from regen.train.attention import training_impl
+
+    assert training_impl("sdpa", "cpu") == "sdpa"
+    with pytest.raises(InputError, match="train.attention=flex on cpu: .* CUDA only"):
+        training_impl("flex", "cpu")
