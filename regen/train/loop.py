@@ -382,7 +382,6 @@ def _train(cfg, run, info, target_path: Path, train_dir: Path, *, follow: bool,
     import torch
 
     from regen.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-    from regen.train.model import DSparkDraft
     from regen.train.feed import ShardFeed
     from regen.train.parallel import shard_model
     from regen.train.target import TargetContract, TargetFeatures, declared_contract
@@ -422,7 +421,10 @@ def _train(cfg, run, info, target_path: Path, train_dir: Path, *, follow: bool,
                                else draft_vocabulary(draft_cfg, feed, resume_from, follow=follow))
 
     # -- draft, sharded -------------------------------------------------------------------------------------
-    draft = DSparkDraft.from_target(target.model, draft_cfg, draft_vocab=vocab_ids).to(info.device)
+    from regen.train.build import build_draft  # on the meta device, materialised on info.device
+
+    draft = build_draft(target.model, draft_cfg, info.device, draft_vocab=vocab_ids,
+                        frozen_dtype=_dtype(cfg.dtype, info.device))
     from regen.train.attention import training_impl
 
     draft.attention_impl = training_impl(cfg.attention, info.device)

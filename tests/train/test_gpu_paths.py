@@ -354,3 +354,34 @@ def test_flex_for_training_off_cuda_is_refused():
     assert training_impl("sdpa", "cpu") == "sdpa"
     with pytest.raises(InputError, match="train.attention=flex on cpu: .* CUDA only"):
         training_impl("flex", "cpu")
+
+
+# -- point 6: the draft built on the meta device, materialised where it trains ---------------------------------
+
+@pytest.mark.parametrize("draft_vocab_size", [0, 100])
+def test_a_draft_built_on_meta_matches_one_built_on_the_host(target, draft_vocab_size):
+    """Same modules, dtypes, frozen head (shared with the target when the dtype matches), buffers and init
+    statistics as `DSparkDraft.from_target`; nothing but the frozen head allocated on the host first."""
+    import dataclasses
+
+    from regen.train.build import build_draft
+
+    cfg = small_config_for_target(target.config, target_layer_ids=(0, 1, 2), markov_rank=16, num_anchors=4)
+    cfg = dataclasses.replace(cfg, draft_vocab_size=draft_vocab_size)
+    vocab = torch.arange(0, 2 * draft_vocab_size, 2) if draft_vocab_size else None
+    torch.manual_seed(0)
+    host = DSparkDraft.from_target(target.model, cfg, draft_vocab=vocab)
+    torch.manual_seed(0)
+    meta = build_draft(target.model, cfg, "cpu", draft_vocab=vocab, frozen_dtype=torch.float32)
+    a, b = host.state_dict(), meta.state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].shape == b[k].shape and a[k].dtype == b[k].dtype and b[k].device.type == "cpu", k
+        if k.startswith(("embed_tokens", "lm_head")) or k in ("d2t", "t2d") or k.endswith("norm.weight") \
+                or ".fc_norm." in k or k.startswith("fc_norm") or k.endswith(".bias"):
+            torch.testing.assert_close(a[k], b[k], msg=k)  # copied, ones, zeros, buffers: equal
+        else:
+            assert abs(b[k].float().std().item() - 0.02) < 0.01, k  # normal(0, 0.02) drawn on the device
+    assert meta.embed_tokens.weight.data_ptr() == target.model.get_input_embeddings().weight.data_ptr()
+    torch.testing.assert_close(host.rotary.inv_freq, meta.rotary.inv_freq)
+    assert not meta.embed_tokens.weight.requires_grad and not meta.lm_head.weight.requires_grad
