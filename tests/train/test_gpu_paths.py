@@ -385,3 +385,66 @@ def test_a_draft_built_on_meta_matches_one_built_on_the_host(target, draft_vocab
     assert meta.embed_tokens.weight.data_ptr() == target.model.get_input_embeddings().weight.data_ptr()
     torch.testing.assert_close(host.rotary.inv_freq, meta.rotary.inv_freq)
     assert not meta.embed_tokens.weight.requires_grad and not meta.lm_head.weight.requires_grad
+
+
+# -- point 5: the plan's memory terms against what autograd keeps, measured on CPU ------------------------------
+
+def _saved_bytes(draft, *inputs) -> int:
+    """Bytes of the distinct storages autograd saves for backward in `draft(*inputs)`, parameters excluded."""
+    params = {p.untyped_storage().data_ptr() for p in draft.parameters()}
+    out = draft(*inputs)
+    seen, stack, visited = {}, [out.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in visited:
+            continue
+        visited.add(node)
+        for name in dir(node):
+            if not name.startswith("_saved_"):
+                continue
+            try:
+                value = getattr(node, name)
+            except Exception:  # noqa: BLE001 - some saved values are not readable (released, None)
+                continue
+            for t in value if isinstance(value, (tuple, list)) else [value]:
+                if isinstance(t, torch.Tensor):
+                    ptr = t.untyped_storage().data_ptr()
+                    if ptr not in params:
+                        seen[ptr] = t.untyped_storage().nbytes()
+        stack.extend(n for n, _ in node.next_functions)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("S,N,layers", [(200, 8, 1), (400, 8, 1), (200, 16, 2), (300, 8, 3)])
+def test_the_activation_formula_equals_what_autograd_saves(S, N, layers):
+    """bf16 compute (as under FSDP2's mixed precision), the K3 draft's structure at toy sizes; on CPU the attention
+    runs the math path, so the formula's `math` attention term is the one compared."""
+    from regen.train.draft_config import DSparkConfig
+    from regen.train.memory import activation_bytes
+
+    torch.manual_seed(0)
+    cfg = DSparkConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, q_lora_rank=32,
+                       kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, vocab_size=512,
+                       target_hidden_size=64, target_num_hidden_layers=12, target_layer_ids=(1, 3, 5, 7, 9),
+                       fc_norm=True, mask_token_id=500, markov_rank=8, eos_token_id=(2,), pad_token_id=None,
+                       num_anchors=N, num_hidden_layers=layers)
+    draft = DSparkDraft(cfg).to(torch.bfloat16)
+    taps = torch.randn(1, S, 5 * 64, dtype=torch.bfloat16)
+    anchors = torch.sort(torch.randperm(S - 8)[:N] + 1).values[None]
+    measured = _saved_bytes(draft, taps, torch.randint(3, 500, (1, S)), anchors, torch.ones(1, N, dtype=torch.bool))
+    assert activation_bytes(cfg, S, c=2, attention="math")["total"] == measured
+
+
+def test_the_kimi_k3_plan_counts_every_term():
+    from regen.config import load_profile
+    from regen.plan import assumptions, draft_plan
+
+    profile = load_profile("kimi-k3")
+    d = draft_plan(profile, assumptions(profile, {}) | {"world_size": 8}, 1e9)
+    mem = d["memory_per_gpu_gib"]
+    assert set(mem) == {"weights", "unsharded_params", "gradients", "optimizer", "features", "activations", "loss",
+                        "total"}
+    T, g = profile.train.max_tokens, profile.train.grad_accum
+    assert mem["features"] == pytest.approx(g * T * 6 * 7168 * 2 / 2**30, abs=0.01)  # a step's objects
+    assert mem["gradients"] > 4 * d["params_trainable"] / 2**30  # unsharded fp32 through accumulation
+    assert mem["activations"] > 30 and mem["total"] > 100  # the context side of 5 layers at 64K; was 19.45
