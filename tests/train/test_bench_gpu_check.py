@@ -31,6 +31,6 @@ def test_the_cpu_fallback_runs_the_k3_step_and_the_copy_sections():
     k3, h2d, summary = recs
     assert k3["section"] == "k3_step" and k3["finite"] and k3["layers"] == 5 and len(k3["losses"]) == 2
     assert k3["plan_memory_per_gpu_gib"]["total"] > 0  # the kimi-k3 plan's figure at this row length, W = 1
-    assert h2d["host_clone_gib_s"] > 0
+    assert h2d["host_clone_gib_s"] > 0 and h2d["staging"]["host_copies"] == h2d["staging"]["objects"] > 0
     assert summary == {"summary": {"k3_step": True, "h2d": True}, "ok": True, "device": "cpu",
                        "date": summary["date"]}

@@ -104,3 +104,22 @@ def test_foreign_and_cut_objects_are_refused():
         read_header(b"X" * 64)
     with pytest.raises(FeatureContractError, match="bytes, its header says"):
         read_header(blob[:-1])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_staging_hands_the_decoded_tensors_with_one_host_copy(dtype):
+    """The trainer's path into the device (`regen.train.features.staging`): on CPU one copy out of the store's
+    buffer, equal to `decode`; the buffer may be released right after; a cut object is refused."""
+    from regen.train.features.staging import Staging
+
+    spec = FeatureSpec("regen/test", (1, 3, 5), "prefix", dtype, 16, 8, "rev-a")
+    blob, n, ids, mask, taps, last = _object(spec)
+    buf = bytearray(blob)
+    staging = Staging("cpu")
+    t, h = staging.to_device(buf, read_header(blob))
+    buf[:] = bytes(len(buf))  # the store's buffer reused for the next object
+    assert torch.equal(t, taps) and torch.equal(h, last)
+    assert staging.stats == {"objects": 1, "host_bytes": taps.nbytes + last.nbytes, "device_bytes": 0,
+                             "host_copies": 1, "pinned_bytes": 0}
+    with pytest.raises(FeatureContractError, match="lies outside"):
+        staging.to_device(bytearray(blob[:-8]), read_header(blob))
