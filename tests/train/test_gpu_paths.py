@@ -448,3 +448,23 @@ def test_the_kimi_k3_plan_counts_every_term():
     assert mem["features"] == pytest.approx(g * T * 6 * 7168 * 2 / 2**30, abs=0.01)  # a step's objects
     assert mem["gradients"] > 4 * d["params_trainable"] / 2**30  # unsharded fp32 through accumulation
     assert mem["activations"] > 30 and mem["total"] > 100  # the context side of 5 layers at 64K; was 19.45
+
+
+def test_a_resume_does_not_depend_on_the_number_of_visible_gpus(monkeypatch):
+    """An older checkpoint saved every visible device's CUDA RNG state; restoring it with set_rng_state_all raised
+    on a host with fewer GPUs. Now: this rank's device's state only."""
+    import random
+
+    from regen.train import checkpoint
+
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s: restored.append(s))
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda s: pytest.fail("every device's state restored"))
+    base = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    eight = [torch.tensor([i], dtype=torch.uint8) for i in range(8)]
+    checkpoint._set_rng_state(base | {"cuda": eight})  # saved on an 8-GPU node, resumed on device 1 of 4
+    checkpoint._set_rng_state(base | {"cuda": eight[:1]})  # saved on a 1-GPU node: nothing for device 1
+    checkpoint._set_rng_state(base | {"cuda_current": eight[5]})
+    assert [int(t[0]) for t in restored] == [1, 5]
