@@ -367,7 +367,10 @@ def run_train(cfg, run, *, follow: bool = False, stop_after_steps: int | None = 
 
     # -- process group --------------------------------------------------------------------------------------
     owns_group = not dist.is_initialized()
-    info = init_distributed(cfg.device)
+    from regen.train.collectives import collective_timeouts
+
+    control_s, hot_s = collective_timeouts(cfg)  # the control plane outwaits the producers, NCCL outwaits it
+    info = init_distributed(cfg.device, timeout_s=hot_s, control_timeout_s=control_s)
     try:
         return _train(cfg, run, info, target_path, Path(train_dir) if train_dir else Path(run.train),
                       follow=follow, stop_after_steps=stop_after_steps)

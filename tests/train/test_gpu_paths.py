@@ -468,3 +468,22 @@ def test_a_resume_does_not_depend_on_the_number_of_visible_gpus(monkeypatch):
     checkpoint._set_rng_state(base | {"cuda": eight[:1]})  # saved on a 1-GPU node: nothing for device 1
     checkpoint._set_rng_state(base | {"cuda_current": eight[5]})
     assert [int(t[0]) for t in restored] == [1, 5]
+
+
+def test_run_train_takes_its_timeouts_from_the_profile(tiny_run, monkeypatch):
+    from regen.config import load_profile
+    from regen.rundir import RunDir
+    from regen.train import parallel
+    from regen.train.loop import run_train
+
+    seen = {}
+
+    def fake_init(device, timeout_s=None, control_timeout_s=None):
+        seen.update(device=device, hot=timeout_s, control=control_timeout_s)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(parallel, "init_distributed", fake_init)
+    cfg = load_profile(str(tiny_run[0]), ["train.features=producers", "train.producers.startup_timeout_s=5000"]).train
+    with pytest.raises(RuntimeError, match="stop here"):
+        run_train(cfg, RunDir.at(tiny_run[1]))
+    assert seen["control"] == 5300 and seen["hot"] == 5600
