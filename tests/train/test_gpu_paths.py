@@ -487,3 +487,38 @@ def test_run_train_takes_its_timeouts_from_the_profile(tiny_run, monkeypatch):
     with pytest.raises(RuntimeError, match="stop here"):
         run_train(cfg, RunDir.at(tiny_run[1]))
     assert seen["control"] == 5300 and seen["hot"] == 5600
+
+
+# -- point 6: sharded checkpoints (DCP) resume at another world size ------------------------------------------
+
+def _torchrun(args, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests" / "train"), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(REPO / "tests" / "train" / "sharded_driver.py"), *args]
+    proc = subprocess.run(_loopback_only(cmd), env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def _assert_same(a: dict, b: dict):
+    for part in ("weights", "moments"):
+        assert a[part].keys() == b[part].keys() and a[part], part
+        for k in a[part]:
+            torch.testing.assert_close(a[part][k], b[part][k], msg=k)
+
+
+def test_a_sharded_checkpoint_resumes_two_ranks_to_one_and_back(dist_info, tmp_path):
+    from sharded_driver import build, fake_step, full_state
+
+    from regen.train.sharded_state import load_sharded, save_sharded
+
+    _torchrun(["save", str(tmp_path)], tmp_path)  # 2 ranks: a step, then DCP shards, one file per rank
+    assert len(list((tmp_path / "dcp").glob("*.distcp"))) == 2
+    model, opt = build(7, dist_info)  # 1 rank, another init
+    load_sharded(tmp_path / "dcp", model, opt)
+    _assert_same(full_state(model, opt), torch.load(tmp_path / "ref.pt"))
+    fake_step(model, opt, 2)
+    save_sharded(tmp_path / "dcp1", model, opt)
+    ref1 = full_state(model, opt)
+    _torchrun(["load", str(tmp_path / "dcp1"), str(tmp_path / "got2.pt")], tmp_path)  # 1 rank -> 2 ranks
+    _assert_same(torch.load(tmp_path / "got2.pt"), ref1)
