@@ -77,11 +77,12 @@ def k3_config(args, cpu: bool):
 
 
 def plan_memory_gib(tokens: int) -> dict | None:
-    """`regen plan`'s memory per GPU for the kimi-k3 draft at world size 1 and micro-batches of `tokens`."""
+    """`regen plan`'s memory per GPU for the kimi-k3 draft as this check runs it: world size 1, one micro-batch of
+    `tokens` per step (so one feature object resident, no accumulation)."""
     from regen.config import load_profile
     from regen.plan import assumptions, draft_plan
 
-    profile = load_profile("kimi-k3", [f"train.max_tokens={tokens}", f"train.max_len={tokens}"])
+    profile = load_profile("kimi-k3", [f"train.max_tokens={tokens}", f"train.max_len={tokens}", "train.grad_accum=1"])
     a = assumptions(profile, {}) | {"world_size": 1}
     d = draft_plan(profile, a, 0.0)
     return d.get("memory_per_gpu_gib")
