@@ -51,7 +51,8 @@ def dspark_block_mask(anchors_BN, keep_BN, seq_len: int, block_size: int, attent
         own = ~is_ctx & ((kv_idx - S) // K == blk)
         return ~keep[b, blk] | ctx | own
 
-    return create_block_mask(mask_mod, B, None, N * K, S + N * K, device=dev)
+    # compiled on CUDA (as TorchSpec does): eager create_block_mask materialises [Q, L] index grids, gigabytes at 32K
+    return create_block_mask(mask_mod, B, None, N * K, S + N * K, device=dev, _compile=dev.type == "cuda")
 
 
 def training_impl(name: str, device) -> str:
