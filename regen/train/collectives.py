@@ -46,6 +46,7 @@ class _Planes:
     control: object | None  # the gloo group (None: the default group, when it is gloo and has no own timeout)
     control_timeout_s: float
     hot_timeout_s: float
+    world: object = None  # the default group these planes were made beside (a later group makes them stale)
 
 
 _planes: _Planes | None = None
@@ -73,7 +74,7 @@ def setup(hot_backend: str, *, control_timeout_s: float, hot_timeout_s: float,
     if declared not in ("nccl", "gloo"):
         raise ValueError(f"{DECLARE_ENV}={declared!r}: use nccl or gloo")
     control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=control_timeout_s))
-    _planes = _Planes(hot_backend, declared, control, control_timeout_s, hot_timeout_s)
+    _planes = _Planes(hot_backend, declared, control, control_timeout_s, hot_timeout_s, dist.group.WORLD)
 
 
 def teardown() -> None:
@@ -81,9 +82,14 @@ def teardown() -> None:
     _planes = None
 
 
+def is_set_up() -> bool:
+    """True when `setup` ran beside the current default process group (not one destroyed since)."""
+    return _planes is not None and dist.is_initialized() and _planes.world is dist.group.WORLD
+
+
 def planes() -> _Planes:
     """The current planes; without `setup` (a process group made elsewhere) the default group serves both."""
-    if _planes is not None:
+    if is_set_up():
         return _planes
     backend = dist.get_backend() if dist.is_initialized() else "gloo"
     return _Planes(backend, os.environ.get(DECLARE_ENV) or backend, None, DEFAULT_TIMEOUT_S, DEFAULT_TIMEOUT_S)
@@ -95,7 +101,8 @@ def declare_backend(backend: str):
     global _planes
     saved = _planes
     p = planes()
-    _planes = _Planes(p.hot_backend, backend, p.control, p.control_timeout_s, p.hot_timeout_s)
+    _planes = _Planes(p.hot_backend, backend, p.control, p.control_timeout_s, p.hot_timeout_s,
+                      dist.group.WORLD if dist.is_initialized() else None)
     try:
         yield
     finally:

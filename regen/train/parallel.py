@@ -97,7 +97,7 @@ def init_distributed(device: str = "auto", timeout_s: float | None = None,
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, **extra)
         collectives.setup(backend, control_timeout_s=control_timeout_s, hot_timeout_s=timeout_s)
-    elif collectives._planes is None:
+    elif not collectives.is_set_up():  # a group made elsewhere (or planes left from a destroyed one)
         collectives.setup(dist.get_backend(), control_timeout_s=control_timeout_s, hot_timeout_s=timeout_s)
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, dev, backend)
 

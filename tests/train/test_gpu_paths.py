@@ -522,3 +522,4 @@ def test_a_sharded_checkpoint_resumes_two_ranks_to_one_and_back(dist_info, tmp_p
     ref1 = full_state(model, opt)
     _torchrun(["load", str(tmp_path / "dcp1"), str(tmp_path / "got2.pt")], tmp_path)  # 1 rank -> 2 ranks
     _assert_same(torch.load(tmp_path / "got2.pt"), ref1)
+
