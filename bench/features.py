@@ -160,7 +160,11 @@ def k3_stream(tokens: int, objects: int, tmp: Path) -> dict:
     return {"tokens_per_row": tokens, "object_bytes": size, "objects": objects, "budget_bytes": budget,
             "gib_per_s": objects * size / GiB / wall, "store_resident_bytes_max": watch.max_allocated,
             "resident_within_budget": watch.max_allocated <= budget, "store_samples": len(watch.samples),
-            "read_s": client.stats["read_s"], "wait_s": client.stats["wait_s"]}
+            "read_s": client.stats["read_s"], "wait_s": client.stats["wait_s"],
+            # copies per object on the trainer's side: the store's get_buffer, then regen.train.features.staging's
+            "copies_per_object": 1 + client.staging.stats["host_copies"] / max(1, client.staging.stats["objects"]),
+            "host_bytes_copied_per_object": client.staging.stats["host_bytes"] / max(1, client.staging.stats["objects"]),
+            "device_bytes_copied_per_object": client.staging.stats["device_bytes"] / max(1, client.staging.stats["objects"])}
 
 
 def value_check(tokens: int, reps: int = 5) -> dict:

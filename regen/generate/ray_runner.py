@@ -94,10 +94,19 @@ def run_on_ray(cfg: GenerateConfig, gen_dir: Path, files: list[Path], endpoints:
                              f"r{i}", (i, n)) for i, a in enumerate(actors)]
         bar = None
         pending = list(refs)
+        last: dict[int, tuple] = {}  # actor index -> its last progress state (a finished or dead actor keeps its last)
         while pending:
             _, pending = ray.wait(pending, num_returns=len(pending), timeout=0.5)
             if progress or cfg.progress_interval_s > 0:  # the actors print none (their cfg: interval 0)
-                states = ray.get([a.progress.remote() for a in actors])
+                # only actors still running are asked: a dead actor's call would raise here and end the session
+                # while the others still work (its own error comes from ray.get(refs) once the others are done)
+                asked = {i: actors[i].progress.remote() for i, r in enumerate(refs) if r in pending}
+                for i, ref in asked.items():
+                    try:
+                        last[i] = ray.get(ref)
+                    except ray.exceptions.RayError:
+                        pass
+                states = list(last.values())
                 done, total = sum(s[0] for s in states), sum(s[1] for s in states)
                 if bar is None and total:
                     bar = ProgressLine(total, done, progress, cfg.progress_interval_s)

@@ -45,17 +45,28 @@ class CheckpointError(InputError):
 
 
 def _rng_state() -> dict:
+    """CPU and Python RNG states, and this rank's own CUDA device's (training draws no CUDA random numbers; one
+    device's state, not every visible device's, so a resume sees no difference in the number of GPUs)."""
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda_current"] = torch.cuda.get_rng_state()
     return state
 
 
 def _set_rng_state(state: dict) -> None:
+    """Restore `_rng_state`'s states. A CUDA state is restored on this rank's current device when there is one;
+    an older checkpoint's list of every visible device's states gives its entry for the current device, if any
+    (`set_rng_state_all` raised where the resuming host saw fewer GPUs)."""
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if not torch.cuda.is_available():
+        return
+    cuda = state.get("cuda_current")
+    if cuda is None and state.get("cuda"):
+        i = torch.cuda.current_device()
+        cuda = state["cuda"][i] if i < len(state["cuda"]) else None
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda)
 
 
 def _strip(state: dict, prefix: str) -> dict:
@@ -96,7 +107,9 @@ def save_checkpoint(train_dir: Path, step: int, model, optimizer, scheduler, fee
                                         f"{latest_checkpoint(train_dir) or 'no checkpoint'}: free space or fix "
                                         "the directory and rerun to resume")
     raise_if_any_rank_failed(error)
-    dist.barrier()
+    from regen.train.collectives import control_barrier
+
+    control_barrier()  # the others wait under the control plane's timeout, not the NCCL watchdog's
     return final
 
 
@@ -309,7 +322,9 @@ def agreed_resume(train_dir: Path, info):
             error = exc
     raise_if_any_rank_failed(error)
     if info.world_size > 1:
-        dist.broadcast_object_list(box, src=0)
+        from regen.train.collectives import control_broadcast_object_list
+
+        control_broadcast_object_list(box, src=0)
     if box[1] and info.is_main:
         log.warning("%s", box[1])
     return (Path(box[0]) if box[0] else None), box[1]

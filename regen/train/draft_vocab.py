@@ -95,10 +95,10 @@ def draft_vocabulary(draft_cfg, feed, resume_from, *, follow: bool = False):
         log.info("draft vocabulary: %d ids, %d distinct supervised tokens seen, coverage %.4f", report["size"],
                  report["distinct_seen"], report["coverage"])
     if dist.get_world_size() > 1:
+        from regen.train.collectives import control_broadcast, control_broadcast_object_list
+
         box = [report]
-        dist.broadcast_object_list(box, src=0)
+        control_broadcast_object_list(box, src=0)
         report = box[0]
-        ids = ids.to("cuda" if dist.get_backend() == "nccl" else "cpu")
-        dist.broadcast(ids, src=0)
-        ids = ids.cpu()
+        control_broadcast(ids, 0, "the draft vocabulary's target ids")
     return ids, report

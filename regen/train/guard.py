@@ -96,15 +96,16 @@ def raise_nonfinite(step: int, m: dict, batch_step, last_good, info, train_dir: 
     """Raise `NonFiniteStep` for step `step` on every rank (collective: each rank's rows are gathered so the
     message names them all); the reason also goes to `<train_dir>/stopped.json` (rank 0; the next run of the
     directory removes it when it starts)."""
-    import torch.distributed as dist
 
-    mine = {"loss_finite": not m["bad_microbatches"], "grad_norm": m["grad_norm"],
+    mine = {"loss_finite": not m["bad_microbatches"], "grad_norm": float(m["grad_norm"]),
             "sample_ids": [list(mb.sample_ids) for mb in batch_step.microbatches],
             "bad_microbatches": m["bad_microbatches"]}
     gathered = [mine]
     if info.world_size > 1:
+        from regen.train.collectives import control_all_gather_object
+
         gathered = [None] * info.world_size
-        dist.all_gather_object(gathered, mine)
+        control_all_gather_object(gathered, mine)
     err = nonfinite_step_error(step, mine, gathered, last_good)
     if info.is_main:
         from schemas.io import write_json_atomic

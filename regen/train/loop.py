@@ -1,7 +1,8 @@
 """`regen train`: the bundled online trainer. Target hidden states on the fly -> DSpark draft checkpoints.
 
     regen train --profile local --run runs/local [--follow] [--max-steps N] [--out DIR]
-    torchrun --nproc_per_node 8 -m regen.train -- --profile kimi-k3 --run runs/k3 --follow
+    torchrun --nnodes 2 --nproc_per_node 4 --rdzv_endpoint TRAIN0:29500 -m regen.train -- --profile kimi-k3 \
+        --run runs/k3 --follow    # GB200: 4 GPUs per tray (docs/cluster.md)
 
 (torchrun needs the `--`: otherwise it reads `--run` as an ambiguous abbreviation of its own `--run-path`.)
 
@@ -34,6 +35,7 @@ from regen.config import add_profile_arguments, load_profile_from_args
 from regen.errors import InputError
 from regen.train import warm_start
 from regen.train.periodic_eval import TrainHooks
+from regen.train.step import reduce_metrics, train_step  # noqa: F401 - the loop's step, importable from here
 
 log = logging.getLogger(__name__)
 
@@ -165,8 +167,9 @@ def make_objective(draft):
         def config(self):
             return self.draft.config
 
-        def forward(self, batch, features, anchors, keep, weights=(0.1, 0.9, 1.0)):
-            return dspark_loss(self.draft, batch, features, anchors, keep, weights=weights)
+        def forward(self, batch, features, anchors, keep, weights=(0.1, 0.9, 1.0), denominator=None):
+            return dspark_loss(self.draft, batch, features, anchors, keep, weights=weights,
+                               denominator=denominator, metrics_on_device=denominator is not None)
 
     return Objective(draft)
 
@@ -207,81 +210,9 @@ def prepare_microbatch(mb, seed: int, draft_cfg, device, t2d=None):
     anchors, keep = sample_anchors(mb.loss_mask, draft_cfg.num_anchors, gen)  # an anchor token is only an input
     loss_mask = mb.loss_mask if t2d is None else mb.loss_mask & t2d.cpu()[mb.input_ids]
     batch = {"input_ids": mb.input_ids.to(device), "loss_mask": loss_mask.to(device),
-             "attention_mask": mb.attention_mask.to(device), "key": (mb.epoch, mb.index)}
+             "attention_mask": mb.attention_mask.to(device), "key": (mb.epoch, mb.index),
+             "num_tokens": int(mb.attention_mask.sum())}  # counted on the host copy: no device read
     return batch, anchors.to(device), keep.to(device)
-
-
-def train_step(model, target, opt, microbatches, *, loss_weights=(0.1, 0.9, 1.0), grad_clip: float = 1.0,
-               loss_normalization: str = "step") -> dict:
-    """One optimizer step over this rank's micro-batches [(batch, anchors, keep)]; collective over ranks.
-
-    loss_normalization "step" (default): the step's objective is Σ_all w·term / Σ_all w over every micro-batch
-    of every rank (spec §5), so A micro-batches equal one batch holding them all, and W ranks equal one rank
-    accumulating their batches. "micro_batch" (the reference, DS trainer): (1/A) Σ_i Σ_ranks w·term_i / Σ_ranks w_i,
-    each micro-batch normalised by its own weight sum over ranks, then averaged over the A accumulation steps.
-    Returns this rank's partial sums (reduce with `reduce_metrics`), tokens, target seconds, grad norm, `finite`
-    (False: some rank saw a non-finite loss or gradient norm, and `opt.step()` was skipped on every rank; the
-    caller stops, `regen.train.guard`) and `bad_microbatches` (this rank's indices with a non-finite loss).
-    """
-    import torch
-
-    from regen.train.loss import decay_weights, evaluation_mask
-    from regen.train.parallel import all_reduce_sum, clip_grad_norm, set_gradient_sync
-
-    cfg = model.config
-    world = torch.distributed.get_world_size()
-    gamma_w = None
-    local_w = []
-    for b, a, k in microbatches:
-        ev = evaluation_mask(a, k, b["loss_mask"], cfg.block_size)
-        gamma_w = decay_weights(cfg.block_size, cfg.loss_decay_gamma, ev.device) if gamma_w is None else gamma_w
-        local_w.append((ev * gamma_w).sum().double().cpu())
-    global_w = all_reduce_sum(torch.stack(local_w))  # Σ over ranks, per micro-batch slot
-    step_w = float(global_w.sum())
-    if loss_normalization not in ("step", "micro_batch"):
-        raise ValueError(f"loss_normalization {loss_normalization!r}: use 'step' or 'micro_batch'")
-    sums = torch.zeros(6, dtype=torch.float64)  # loss, ce, l1, conf, tau_prob·blocks, blocks (supervised ones)
-    t_target = 0.0
-    bad_microbatches: list[int] = []  # this rank's micro-batches with a non-finite loss
-    for i, (batch, anchors, keep) in enumerate(microbatches):
-        set_gradient_sync(model, i == len(microbatches) - 1)
-        tt = time.perf_counter()
-        features = target.features_of(batch)
-        t_target += time.perf_counter() - tt
-        loss, m = model(batch, features, anchors, keep, weights=loss_weights)
-        if not math.isfinite(float(m["loss"])):
-            bad_microbatches.append(i)
-        if loss_normalization == "micro_batch":
-            scale = 1.0 / len(microbatches)
-        else:
-            scale = float(global_w[i]) / step_w if step_w > 0 else 0.0
-        (loss * scale).backward()
-        # dspark_loss: loss = Σ_rank w·L / Σ_ranks w · world; metrics ce/l1/conf = that / world
-        sums += torch.tensor([m["loss"] * scale / world, m["ce"] * scale, m["l1"] * scale, m["conf"] * scale,
-                              m["tau_probabilistic"] * m["num_supervised_blocks"], m["num_supervised_blocks"]],
-                             dtype=torch.float64)
-    grad_norm = clip_grad_norm(model, grad_clip)
-    # a non-finite loss or norm on any rank: no rank steps (regen.train.guard; clipping does not clean a NaN)
-    local_ok = math.isfinite(grad_norm) and not bad_microbatches
-    finite = float(all_reduce_sum(torch.tensor([0.0 if local_ok else 1.0], dtype=torch.float64))) == 0.0
-    if finite:
-        opt.step()
-    opt.zero_grad(set_to_none=True)
-    tokens = sum(int(b["attention_mask"].sum()) for b, _, _ in microbatches)
-    return {"sums": sums, "tokens": tokens, "target_s": t_target, "grad_norm": grad_norm, "weight": step_w,
-            "finite": finite, "bad_microbatches": bad_microbatches}
-
-
-def reduce_metrics(m: dict) -> dict:
-    """Step metrics over all ranks from `train_step`'s partial sums (collective)."""
-    import torch
-
-    from regen.train.parallel import all_reduce_sum
-
-    g = all_reduce_sum(torch.cat([m["sums"], torch.tensor([float(m["tokens"])], dtype=torch.float64)]))
-    return {"loss": g[0].item(), "ce": g[1].item(), "l1": g[2].item(), "conf": g[3].item(),
-            "tau_probabilistic": g[4].item() / max(1.0, g[5].item()), "tokens": int(g[6].item()),
-            "grad_norm": m["grad_norm"], "weight": m["weight"]}
 
 
 def run_train(cfg, run, *, follow: bool = False, stop_after_steps: int | None = None,
@@ -314,7 +245,10 @@ def run_train(cfg, run, *, follow: bool = False, stop_after_steps: int | None = 
 
     # -- process group --------------------------------------------------------------------------------------
     owns_group = not dist.is_initialized()
-    info = init_distributed(cfg.device)
+    from regen.train.collectives import collective_timeouts
+
+    control_s, hot_s = collective_timeouts(cfg)  # the control plane outwaits the producers, NCCL outwaits it
+    info = init_distributed(cfg.device, timeout_s=hot_s, control_timeout_s=control_s)
     train_dir = Path(train_dir) if train_dir else Path(run.train)
     lease = None
     try:
@@ -334,9 +268,8 @@ def _train(cfg, run, info, target_path: Path, train_dir: Path, *, follow: bool,
 
     from regen.train.checkpoint import agreed_resume, load_checkpoint
     from regen.train.draft_vocab import draft_vocabulary
-    from regen.train.model import DSparkDraft
     from regen.train.feed import ShardFeed
-    from regen.train.parallel import all_reduce_sum, shard_model
+    from regen.train.parallel import shard_model
     from regen.train.heldout import HELDOUT_RULE
     from regen.train.resume import check_resume, resume_key
     from regen.train.target import TargetContract, TargetFeatures, declared_contract
@@ -377,7 +310,13 @@ def _train(cfg, run, info, target_path: Path, train_dir: Path, *, follow: bool,
                                else draft_vocabulary(draft_cfg, feed, resume_from, follow=follow))
 
     # -- draft, sharded -------------------------------------------------------------------------------------
-    draft = DSparkDraft.from_target(target.model, draft_cfg, draft_vocab=vocab_ids).to(info.device)
+    from regen.train.build import build_draft  # on the meta device, materialised on info.device
+
+    draft = build_draft(target.model, draft_cfg, info.device, draft_vocab=vocab_ids,
+                        frozen_dtype=_dtype(cfg.dtype, info.device))
+    from regen.train.attention import training_impl
+
+    draft.attention_impl = training_impl(cfg.attention, info.device)
     warm = warm_start.load_into(draft, init) if init is not None else None
     compute_dtype = _dtype(cfg.dtype, info.device)
     share_frozen_with_target(draft, target.model, compute_dtype)
@@ -460,8 +399,9 @@ def _loop(cfg, info, train_dir, model, source, pool, opt, sched, feed, draft_cfg
     import torch
 
     from regen.train.checkpoint import save_checkpoint
+    from regen.train.collectives import control_all_reduce_sum
     from regen.train.guard import DivergenceMonitor, raise_nonfinite
-    from regen.train.parallel import all_reduce_sum, raise_if_any_rank_failed
+    from regen.train.parallel import raise_if_any_rank_failed
 
     seed = cfg.seed
 
@@ -530,7 +470,7 @@ def _loop(cfg, info, train_dir, model, source, pool, opt, sched, feed, draft_cfg
     if ckpt is None or not ckpt.name.endswith(f"{step:06d}"):
         ckpt = save_checkpoint(train_dir, step, model, opt, sched, feed, training=training_meta,
                                keep=cfg.keep_checkpoints)
-    totals = all_reduce_sum(totals)
+    totals = control_all_reduce_sum(totals, "the run's totals")
     summary = {
         "rank": info.rank, "world_size": info.world_size, "device": str(info.device), "steps": step,
         "total_steps": total_steps, "tokens": int(totals[0]), "tokens_per_s": float(totals[0]) / max(1e-9, loop_s),
@@ -550,7 +490,8 @@ def _loop(cfg, info, train_dir, model, source, pool, opt, sched, feed, draft_cfg
         step_s, fetch_s, rows = float(totals[2]) / info.world_size, float(totals[3]) / info.world_size, float(totals[4])
         report = pool.report(step_s)
         busy = step_s - report["wait_s"]  # the loop without waiting for producers: features read, draft trained
-        cpu = all_reduce_sum(torch.tensor([time.process_time() - cpu_start], dtype=torch.float64))
+        cpu = control_all_reduce_sum(torch.tensor([time.process_time() - cpu_start], dtype=torch.float64),
+                                     "CPU seconds")
         steady = step_s - report["first_wait_s"]  # after the first feature object: the producers are up
         summary["features"] = {**report, "fetch_s": fetch_s,
                                "data_wait_fraction": report["wait_s"] / step_s if step_s > 0 else 0.0,

@@ -143,8 +143,24 @@ class PrefectStack:
         r.raise_for_status()
         return r.json()
 
+    def logs_until(self, flow_run_id: str, found, timeout_s: float = 60.0) -> list[str]:
+        """The flow run's logs once one message satisfies `found` (or `timeout_s` passed): the flow run's process
+        sends its logs in batches, some after the run's final state is already set."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            logs = self.logs(flow_run_id)
+            if any(found(m) for m in logs) or time.monotonic() > deadline:
+                return logs
+            time.sleep(0.5)
+
     def logs(self, flow_run_id: str) -> list[str]:
-        body = {"logs": {"flow_run_id": {"any_": [flow_run_id]}}, "limit": 200}
-        r = httpx.post(f"{self.api}/logs/filter", json=body, timeout=10)
-        r.raise_for_status()
-        return [x["message"] for x in r.json()]
+        out: list[str] = []
+        while True:  # every page (the API answers at most `limit` rows a call), in time order
+            body = {"logs": {"flow_run_id": {"any_": [flow_run_id]}}, "limit": 200, "offset": len(out),
+                    "sort": "TIMESTAMP_ASC"}
+            r = httpx.post(f"{self.api}/logs/filter", json=body, timeout=10)
+            r.raise_for_status()
+            page = [x["message"] for x in r.json()]
+            out += page
+            if len(page) < 200:
+                return out

@@ -71,8 +71,9 @@ def test_kimi_k3_deployment_against_a_test_server(prefect_stack, fake_openai, tm
     assert sum(s["rows"] for s in shards["shards"]) > 0
 
     # the generate stage's progress lines reach the flow run's logs (issue 28: no bar draws in a worker)
-    progress = [x for x in prefect_stack.logs(fr) if "generate: " in x and " units (" in x]
-    assert progress and any("100.0%" in x for x in progress), prefect_stack.logs(fr)[-20:]
+    logs = prefect_stack.logs_until(fr, lambda m: "generate: " in m and " units (100.0%)" in m)
+    progress = [x for x in logs if "generate: " in x and " units (" in x]
+    assert progress and any("100.0%" in x for x in progress), "\n".join(logs)
     artifacts = prefect_stack.artifacts(fr)
     keys = {a["key"] for a in artifacts}
     assert {"regen-select", "regen-generate", "regen-filter", "regen-render"} <= keys

@@ -119,3 +119,22 @@ def test_non_finite_feature_values_are_a_contract_breach(tensor, value, row, pos
     msg = str(e.value)
     assert f"{tensor} holds 1 non-finite values, the first at row {row} ({'ab'[row]}), position {pos}" in msg
     assert "micro-batch 1:4" in msg and PRODUCER["id"] in msg
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_staging_hands_the_decoded_tensors_with_one_host_copy(dtype):
+    """The trainer's path into the device (`regen.train.features.staging`): on CPU one copy out of the store's
+    buffer, equal to `decode`; the buffer may be released right after; a cut object is refused."""
+    from regen.train.features.staging import Staging
+
+    spec = FeatureSpec("regen/test", (1, 3, 5), "prefix", dtype, 16, 8, "rev-a")
+    blob, n, ids, mask, taps, last = _object(spec)
+    buf = bytearray(blob)
+    staging = Staging("cpu")
+    t, h = staging.to_device(buf, read_header(blob))
+    buf[:] = bytes(len(buf))  # the store's buffer reused for the next object
+    assert torch.equal(t, taps) and torch.equal(h, last)
+    assert staging.stats == {"objects": 1, "host_bytes": taps.nbytes + last.nbytes, "device_bytes": 0,
+                             "host_copies": 1, "pinned_bytes": 0}
+    with pytest.raises(FeatureContractError, match="lies outside"):
+        staging.to_device(bytearray(blob[:-8]), read_header(blob))
