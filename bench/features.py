@@ -18,6 +18,10 @@ itself there. Sections, all in one run on this machine:
    producer rows/s (per second of a producer's own work) and CPU-s per row, trainer rows/s and CPU-s per row with
    the features already in the store (the loop's time less its wait for producers).
 
+4. value_check: the cost of refusing non-finite feature values (`regen.train.features.contract.check_values`, run
+   on every object the trainer reads) on one K3-shaped row of `--k3-tokens` tokens: seconds per object, GiB/s,
+   and its share of the time to copy the same bytes out of a buffer.
+
 On a 2-core machine the trainer and the producers share the same two cores, so the end-to-end ratio measures the
 overhead of the split (processes, copies, the store) and the competition for cores, not what the split buys on a
 cluster, where producers have their own GPUs; the capacities say which side to grow.
@@ -156,7 +160,33 @@ def k3_stream(tokens: int, objects: int, tmp: Path) -> dict:
     return {"tokens_per_row": tokens, "object_bytes": size, "objects": objects, "budget_bytes": budget,
             "gib_per_s": objects * size / GiB / wall, "store_resident_bytes_max": watch.max_allocated,
             "resident_within_budget": watch.max_allocated <= budget, "store_samples": len(watch.samples),
-            "read_s": client.stats["read_s"], "wait_s": client.stats["wait_s"]}
+            "read_s": client.stats["read_s"], "wait_s": client.stats["wait_s"],
+            # copies per object on the trainer's side: the store's get_buffer, then regen.train.features.staging's
+            "copies_per_object": 1 + client.staging.stats["host_copies"] / max(1, client.staging.stats["objects"]),
+            "host_bytes_copied_per_object": client.staging.stats["host_bytes"] / max(1, client.staging.stats["objects"]),
+            "device_bytes_copied_per_object": client.staging.stats["device_bytes"] / max(1, client.staging.stats["objects"])}
+
+
+def value_check(tokens: int, reps: int = 5) -> dict:
+    """check_values on K3-shaped tensors of one row (5 x 7168 taps + 7168 last hidden, bf16): best of `reps`."""
+    import torch
+
+    from regen.train.features.contract import check_values
+
+    taps = torch.randn(1, tokens, 5 * 7168).to(torch.bfloat16)
+    last = torch.randn(1, tokens, 7168).to(torch.bfloat16)
+    nbytes = (taps.numel() + last.numel()) * 2
+    check_s, copy_s = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        check_values({"sample_ids": ["k3"]}, taps, last, epoch=0, index=0)
+        check_s.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        taps.clone(), last.clone()
+        copy_s.append(time.perf_counter() - t0)
+    return {"tokens_per_row": tokens, "object_bytes": nbytes, "check_s": min(check_s),
+            "check_gib_per_s": nbytes / GiB / min(check_s), "copy_s": min(copy_s),
+            "check_vs_copy": min(check_s) / min(copy_s)}
 
 
 def end_to_end(target: Path, steps: int, rows: int, length: int, tmp: Path, sets: list[str]) -> dict:
@@ -242,6 +272,7 @@ def main(argv=None) -> int:
         result = {"machine": _machine(), "quick": args.quick,
                   "transport": transport(sizes, reps, tmp),
                   "k3_stream": k3_stream(k3_tokens, k3_objects, tmp),
+                  "value_check": value_check(k3_tokens),
                   "end_to_end": end_to_end(target, steps, rows, length, tmp,
                                            ["train.producers.num_local=2", "train.producers.local_threads=1"])}
     finally:
@@ -257,6 +288,9 @@ def main(argv=None) -> int:
     print(f"K3-shaped rows of {k['tokens_per_row']} tokens ({k['object_bytes'] / GiB:.3f} GiB): {k['gib_per_s']:.2f} "
           f"GiB/s, store resident max {k['store_resident_bytes_max'] / GiB:.3f} GiB of a "
           f"{k['budget_bytes'] / GiB:.3f} GiB budget", file=sys.stderr)
+    v = result["value_check"]
+    print(f"non-finite value check of a K3-shaped row of {v['tokens_per_row']} tokens: {v['check_s'] * 1e3:.1f} ms "
+          f"({v['check_gib_per_s']:.2f} GiB/s, {v['check_vs_copy']:.2f}x a copy of the same bytes)", file=sys.stderr)
     return 0
 
 

@@ -140,6 +140,7 @@ def main(argv=None) -> int:
             "train_tokens_per_s": round(train_tps, 1), "target_forward_tokens_per_s": round(base_tps, 1),
             "ratio_train_to_target_forward": round(train_tps / base_tps, 4),
             "target_share_of_step_time": round(sum(h["target_s"] for h in hist) / max(1e-9, sum(h["step_s"] for h in hist)), 4),
+            "loss_first": summary["loss_first"], "loss_last": summary["loss_last"],
         }
         print(json.dumps(out, indent=2))
     finally:

@@ -25,17 +25,9 @@ Formulas (printed with the figures):
   requests        = units x requests_per_unit
   server-hours    = output_tokens / server_output_tokens_per_s / 3600; wall hours = server-hours / servers
   shard bytes     = shard tokens x shard_bytes_per_token
-  memory per GPU (FSDP2 over W ranks, `regen.train.parallel.shard_model`: fp32 sharded master weights, bf16
-  compute, frozen embed/lm_head replicated):
-    weights       = 4 B x P_trainable / W + 2 B x P_frozen
-    gradients     = 4 B x P_trainable / W
-    optimizer     = 8 B x P_trainable / W   (AdamW exp_avg + exp_avg_sq, fp32)
-    (the target's own weights and activations are not included)
-    activations   = T x taps x H_target x 2 B (tap hidden states, bf16)
-                    + L x Q x H x 34 B (per-layer activations, Korthikanti et al. 2022 "Reducing Activation
-                      Recomputation", s.h.34 at 16-bit without the attention-score term) + Q x V_out x 4 B (fp32
-                      logits, unchunked upper bound); T = train.max_tokens per micro-batch, Q = num_anchors x
-                      block_size query positions, L draft layers, H draft hidden size
+  memory per GPU, one optimizer step's peak (FSDP2 over W ranks): weights, all-gathered compute copies, gradients
+    (held through accumulation), AdamW state, resident feature objects, saved activations and the fused loss's
+    buffers, each term's formula in `regen.train.memory` and printed beside its figure by `regen plan`
   training FLOPs  = 6 x P_trainable x D + 2 x N_target_active x D (draft forward+backward per token, Kaplan et
                     al. 2020; target forward only), D = training tokens = shard tokens x train.epochs
   training time   = FLOPs / (W x gpu_peak_tflops x 1e12 x mfu)
@@ -312,24 +304,32 @@ def draft_plan(profile: Profile, a, shard_tokens: float) -> dict:
     Q = cfg.num_anchors * cfg.block_size
     v_out = cfg.draft_vocab_size or cfg.vocab_size
     taps = len(cfg.target_layer_ids)
-    mem = {
-        "weights": 4 * p_train / W + 2 * p_frozen,
-        "gradients": 4 * p_train / W,
-        "optimizer": 8 * p_train / W,
-        "activations": T * taps * cfg.target_hidden_size * 2 + cfg.num_hidden_layers * Q * cfg.hidden_size * 34
-        + Q * v_out * 4,
-    }
+    from regen.train.memory import step_memory_bytes
+
+    p_layer = sum(p.numel() for p in model.layers[0].parameters()) if len(model.layers) else 0
+    producers = t.features == "producers"
+    resident = t.grad_accum if producers else 1  # the producers' client holds a step's objects on the device
+    c = 4 if t.dtype == "float32" else 2
+    mem = step_memory_bytes(cfg, tokens=T, world_size=W, grad_accum=t.grad_accum, p_trainable=p_train,
+                            p_frozen=p_frozen, p_layer=p_layer, resident_feature_objects=resident, c=c)
     formulas = {
         "weights": f"4 B x {p_train:,} / {W} + 2 B x {p_frozen:,} (frozen embed/lm_head, replicated)",
-        "gradients": f"4 B x {p_train:,} / {W}",
+        "unsharded_params": f"{c} B x (root group + 2 layers of {p_layer:,}) (FSDP2 all-gathered compute copies)",
+        "gradients": f"4 B x {p_train:,} / {W}" + (f" + 4 B x {p_train:,} (unsharded fp32, held through "
+                                                   f"{t.grad_accum} accumulation micro-batches)" if t.grad_accum > 1
+                                                   else ""),
         "optimizer": f"8 B x {p_train:,} / {W} (AdamW, 2 fp32 moments)",
-        "activations": (f"{T} x {taps} x {cfg.target_hidden_size} x 2 B + {cfg.num_hidden_layers} x {Q} x "
-                        f"{cfg.hidden_size} x 34 B + {Q} x {v_out} x 4 B"),
+        "features": f"{resident} object(s) x {T} x ({taps} + 1) x {cfg.target_hidden_size} x 2 B"
+                    + (" (a step's objects, fetched before compute)" if producers else ""),
+        "activations": (f"saved for backward at S={T}, Q={Q}, L={T + Q}: context, {cfg.num_hidden_layers} layers "
+                        "(incl. the context-side K/V of every layer), memory-efficient attention "
+                        "(regen/train/memory.py, checked against CPU measurement)"),
+        "loss": f"fused loss: {Q} x {cfg.hidden_size} x 4 B + {Q} x {cfg.markov_rank} x 4 B + {v_out} x "
+                f"{cfg.markov_rank} x 4 B + a chunk's 6 x 2^25 x 4 B",
     }
     epochs = t.epochs or 1
     D = shard_tokens * epochs
-    n_target = a["target_active_params"]
-    producers = t.features == "producers"  # the target's forward runs on the producers' GPUs, not the trainer's
+    n_target = a["target_active_params"]  # with producers, the target's forward runs on their GPUs
     target_flops = 2 * n_target * D
     flops = 6 * p_train * D + (0 if producers else target_flops)
     seconds = flops / (W * a["gpu_peak_tflops"] * 1e12 * a["mfu"])

@@ -37,7 +37,7 @@ class StoreConfig(BaseModel):
     protocol: Literal["tcp", "rdma"] = Field("tcp", description="Mooncake transfer protocol (rdma on GPU clusters)")
     device: str = Field("", description="RDMA device names for protocol rdma (Mooncake `rdma_devices`)")
     hostname: str = Field("auto", description="the address this process's Mooncake client announces; auto = "
-                          "127.0.0.1 with a master on loopback, else this host's address")
+                          "127.0.0.1 with a master on loopback, else the address routing toward the master (refused if loopback)")
     segment_bytes_per_rank: Bytes | None = Field(None, ge=0, description="memory each trainer rank mounts into the "
                                                "store; null = its share of budget_bytes plus one object; 0 = store "
                                                "nodes (`regen features store`) hold the objects")
@@ -74,7 +74,8 @@ class ProducersConfig(BaseModel):
     startup_timeout_s: float = Field(600.0, gt=0, description="no producer registered this long after start: "
                                      "the same error (a large target loads for minutes)")
     dispatcher_host: str = Field("127.0.0.1", description="address rank 0's dispatcher binds; a cluster's "
-                                 "producers must reach it: auto = this host's address")
+                                 "producers must reach it: auto = the address routing toward the store's master (127.0.0.1 with a master "
+                                 "on loopback; a loopback answer otherwise is refused)")
     dispatcher_port: int = Field(0, ge=0, le=65535, description="its port (0 = a free one, written to "
                                  "<train dir>/features/dispatcher.json)")
     store: StoreConfig = Field(default_factory=StoreConfig, description="the Mooncake store that carries the "
@@ -151,7 +152,11 @@ class TrainConfig(BaseModel):
         "step (any world size x accumulation equals one big batch); micro_batch = each micro-batch by its own Σ w "
         "over ranks, then the mean over the accumulation steps (the reference's, DS trainer)")
     seed: int | None = Field(None, description="the trainer's seed; null = the profile's seed")
-    device: str = Field("auto", description="auto | cpu | cuda")
+    device: str = Field("auto", description="auto | cpu | cuda; cuda stops with an error where torch sees no CUDA "
+                        "device or LOCAL_RANK is beyond the visible ones; auto falls back to cpu with a warning")
+    attention: Literal["sdpa", "flex"] = Field("sdpa", description="the draft's attention: sdpa = dense mask, "
+                                               "memory-efficient backend pinned on CUDA; flex = flex_attention "
+                                               "with a block mask (masked tiles skipped; CUDA only)")
     dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="the draft's compute dtype; auto = "
                                                           "bf16 on CUDA and on CPUs with native bf16, else fp32")
     # data feed (regen.train.feed)

@@ -291,15 +291,20 @@ def run_generate(cfg: GenerateConfig, run: RunDir, *, endpoints: list[str] | Non
 
 @contextlib.contextmanager
 def _run_lock(gen_dir: Path):
-    """One `regen generate` per run directory at a time (flock; released by the kernel even on kill -9)."""
+    """One `regen generate` per run directory at a time: flock (released by the kernel even on kill -9) and a
+    lease in the run directory (`regen.rundir.Lease`: across hosts of a shared filesystem); none while `regen select`
+    holds its lease (it rewrites the prompts this stage reads)."""
     import fcntl
+
+    from regen.rundir import Lease
 
     with open(gen_dir / ".lock", "w") as f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise InputError(f"another `regen generate` is writing {gen_dir}: wait for it or stop it first") from None
-        yield
+        with Lease(gen_dir.parent, "generate", name=f"generate-{gen_dir.name}", exclude="select"):
+            yield
 
 
 def _write_stamp(cfg: GenerateConfig, gen_dir: Path, stamp: dict | None) -> list[str]:

@@ -319,6 +319,16 @@ def _clear_outputs(run: RunDir) -> None:
 
 def run_render(cfg: RenderConfig, run: RunDir, *, progress: bool = True, force: bool = False,
                allow_incomplete: bool = False) -> dict:
+    """`_run_render` holding the lease of its shards directory (`regen.rundir.Lease`: LeaseHeld when another `regen
+    render` writes them)."""
+    from regen.rundir import Lease
+
+    with Lease(run.root, "render", name=f"render-{run.shards.name}"):
+        return _run_render(cfg, run, progress=progress, force=force, allow_incomplete=allow_incomplete)
+
+
+def _run_render(cfg: RenderConfig, run: RunDir, *, progress: bool = True, force: bool = False,
+                allow_incomplete: bool = False) -> dict:
     """Render the kept generations into shards; returns the shards manifest (also `shards/manifest.json`).
 
     Calls `filter_responses` first when its summary is missing or stale. Resumable (see module doc); `force`

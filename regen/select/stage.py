@@ -37,7 +37,7 @@ from regen.select.mix import (assign_modes, largest_remainder, plan_mix, seeded_
                               select_rows)
 from regen.config.select import SelectConfig, SourceConfig
 from regen.errors import InputError
-from regen.rundir import RunDir
+from regen.rundir import Lease, RunDir
 from regen.select.sources import BadFile, benchmark_texts, iter_raw_batches, shape_of, source_files
 from schemas.io import write_parquet_atomic, write_rows_atomic
 from schemas.prompt import PROMPT_SCHEMA, SCHEMA_VERSION, canonical_json
@@ -191,8 +191,14 @@ def _file_rows(path: str, kind: str) -> int | None:
     return None
 
 
-def run_select(cfg: SelectConfig, run: RunDir, *, seed: int, extra_sources: list[str] | None = None,
-               progress: bool = True, control_tokens=()) -> dict:
+def run_select(cfg: SelectConfig, run: RunDir, **kwargs) -> dict:
+    """`_run_select` holding the run's lease (`regen.rundir.Lease`: LeaseHeld beside another select or a generate)."""
+    with Lease(run.root, "select", exclude="generate*"):
+        return _run_select(cfg, run, **kwargs)
+
+
+def _run_select(cfg: SelectConfig, run: RunDir, *, seed: int, extra_sources: list[str] | None = None,
+                progress: bool = True, control_tokens=()) -> dict:
     """Select prompts into `run.prompts` (parts + manifest.json) and `run.rejected("select")`; returns the manifest.
 
     `control_tokens`: strings the profile's renderer would parse as control tokens in prompt text

@@ -12,9 +12,16 @@ subset keeps most of the acceptance at a fraction of the LM-head cost. Here it s
 """
 from __future__ import annotations
 
+import json
+import logging
+from pathlib import Path
 from typing import Iterable
 
 import numpy as np
+
+from regen.errors import InputError
+
+log = logging.getLogger(__name__)
 
 
 def select_draft_vocab(counts: np.ndarray, size: int, always: Iterable[int] = ()) -> tuple[np.ndarray, dict]:
@@ -44,4 +51,54 @@ def select_draft_vocab(counts: np.ndarray, size: int, always: Iterable[int] = ()
     total = int(counts.sum())
     report = {"size": size, "distinct_seen": int((counts > 0).sum()), "supervised_tokens": total,
               "coverage": float(counts[chosen].sum()) / total if total else 0.0}
+    return ids, report
+
+
+def draft_vocabulary(draft_cfg, feed, resume_from, *, follow: bool = False):
+    """(target ids int64[Vd] or None, report dict or None) of the reduced draft vocabulary (`regen.train.draft_vocab`).
+
+    A resumed run keeps its checkpoint's vocabulary (the `d2t` weight); a new one takes the Vd most frequent
+    supervised tokens of the feed's training rows, stop tokens always included, chosen on rank 0 and broadcast
+    (ranks may read the manifest at different moments). With `follow`, it waits for the first shard and uses
+    the shards listed then: rows rendered later keep only their supervised tokens inside it. Raises InputError
+    for a checkpoint of another vocabulary size or an impossible size.
+    """
+    import torch
+    import torch.distributed as dist
+
+    V, Vd = draft_cfg.vocab_size, draft_cfg.draft_vocab_size
+    if not Vd:
+        return None, None
+    if resume_from is not None:
+        from safetensors import safe_open
+
+        from regen.train.model import CONFIG_NAME, WEIGHTS_NAME
+
+        saved = json.loads((Path(resume_from) / CONFIG_NAME).read_text()).get("draft_vocab_size", 0)
+        if saved != Vd:
+            raise InputError(f"{resume_from}: the checkpoint has draft_vocab_size={saved}, the profile gives {Vd}; "
+                             "resume with the same train.* settings or use a new run directory (or --out)")
+        with safe_open(str(Path(resume_from) / WEIGHTS_NAME), framework="pt") as f:
+            d2t = f.get_tensor("d2t")
+        return d2t + torch.arange(d2t.numel()), {"size": int(d2t.numel()), "from": str(resume_from)}
+    ids, report = torch.zeros(Vd, dtype=torch.long), None
+    if dist.get_rank() == 0:
+        if follow:
+            feed.wait_for_first_shard()
+        counts = feed.supervised_token_counts(V)
+        try:
+            chosen, report = select_draft_vocab(counts, Vd, always=draft_cfg.eos_token_id)
+        except ValueError as exc:
+            raise InputError(f"train.draft_vocab_size={Vd}: {exc}") from None
+        report["shards_counted"] = feed.listed_shards()
+        ids = torch.from_numpy(chosen)
+        log.info("draft vocabulary: %d ids, %d distinct supervised tokens seen, coverage %.4f", report["size"],
+                 report["distinct_seen"], report["coverage"])
+    if dist.get_world_size() > 1:
+        from regen.train.collectives import control_broadcast, control_broadcast_object_list
+
+        box = [report]
+        control_broadcast_object_list(box, src=0)
+        report = box[0]
+        control_broadcast(ids, 0, "the draft vocabulary's target ids")
     return ids, report

@@ -135,9 +135,10 @@ def resolve_draft_dir(path: str | Path) -> Path:
                      "checkpoint folder such as runs/local/train/checkpoints/step-000100")
 
 
-def heldout_prompts(run, fraction: float, num_prompts: int) -> list[dict]:
-    """Held-out rows of `run.shards` (one per prompt_id, ordered by hash): {prompt_id, category, prompt_ids,
-    length_band, mode} (band and mode from the selection, `regen.train.eval_cells.prompt_labels`)."""
+def heldout_prompts(run, fraction: float, num_prompts: int | None) -> list[dict]:
+    """Held-out rows of `run.shards` (one per prompt_id, ordered by hash; the first `num_prompts`, None = all):
+    {prompt_id, category, prompt_ids, length_band, mode} (band and mode from the selection,
+    `regen.train.eval_cells.prompt_labels`)."""
     import pyarrow.parquet as pq
 
     from regen.errors import InputError
@@ -158,7 +159,7 @@ def heldout_prompts(run, fraction: float, num_prompts: int) -> list[dict]:
                              "prompt_ids": row["input_ids"][:start]}
     order = sorted(seen, key=lambda pid: hashlib.sha256(pid.encode()).hexdigest())
     labels = prompt_labels(run)
-    return [{**seen[pid], **labels.get(pid, {})} for pid in order[:num_prompts]]
+    return [{**seen[pid], **labels.get(pid, {})} for pid in (order if num_prompts is None else order[:num_prompts])]
 
 
 def greedy_reference(target, prompt_ids: list[int], num_tokens: int, stop_ids) -> tuple[list[int], list[int], object]:
@@ -409,7 +410,10 @@ def run_eval(cfg, run, *, draft_dir, seed: int | None = None, num_prompts: int =
         raise InputError(f"--temperature {temperature} --top-p {top_p}: use T >= 0 (0 = greedy only) and top_p in "
                          "(0, 1]")
     ddir = resolve_draft_dir(draft_dir)
+    from regen.train.checkpoint import load_servable_weights
     from regen.train.draft_config import check_rope_theta
+
+    load_servable_weights(ddir)  # refuses a damaged (MANIFEST.json) or non-finite draft, as the exports do
     from regen.train.model import DSparkConfig
 
     dcfg = DSparkConfig.from_json(ddir / "config.json")
@@ -426,6 +430,7 @@ def run_eval(cfg, run, *, draft_dir, seed: int | None = None, num_prompts: int =
         except InputError:
             raise InputError(f"--compare {name}={other}: no config.json, train/latest.json or latest.json found; "
                              "give a checkpoint folder or a training directory") from None
+        load_servable_weights(odir)
         ocfg = DSparkConfig.from_json(odir / "config.json")
         check_rope_theta(ocfg, expected_theta, checkpoint=f"--compare {name}={other}",
                          expected_from="the profile's train.rope_theta")
@@ -434,6 +439,9 @@ def run_eval(cfg, run, *, draft_dir, seed: int | None = None, num_prompts: int =
             raise InputError(f"--compare {name}={other}: block_size {ocfg.block_size} differs from the draft's "
                              f"{dcfg.block_size}; compare drafts of one block size")
         others[name] = odir
+    from regen.train.heldout import eval_heldout_fraction
+
+    fraction, heldout = eval_heldout_fraction(getattr(cfg, "heldout_fraction", 0.05), {"trained": ddir, **others})
     if cfg.target_layer_ids:
         contract.check({"target_layer_ids": list(cfg.target_layer_ids),
                         "aux_hidden_stream": cfg.aux_hidden_stream}, "the profile's train section")
@@ -453,8 +461,10 @@ def run_eval(cfg, run, *, draft_dir, seed: int | None = None, num_prompts: int =
     eos = getattr(gen, "eos_token_id", None) if gen is not None else None
     stop = sorted({*(eos if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else [])),
                    *dcfg.eos_token_id})
-    fraction = getattr(cfg, "heldout_fraction", 0.05)
-    prompts = heldout_prompts(run, fraction, num_prompts)
+    split = heldout_prompts(run, fraction, None)
+    prompts = split[:num_prompts]
+    heldout.update(num_heldout_prompts=len(split), num_evaluated=len(prompts),
+                   which="the first num_prompts held-out prompts by sha256(prompt_id)")
     if not prompts:
         raise InputError(f"no held-out prompts in {run.shards} at heldout_fraction={fraction}: raise "
                          "train.heldout_fraction (and retrain) or add prompts")
@@ -473,7 +483,7 @@ def run_eval(cfg, run, *, draft_dir, seed: int | None = None, num_prompts: int =
     dirs = {"trained": ddir, "untrained": ddir, **others}
     out = {**res, "num_prompts": len(prompts), "num_prompts_asked": num_prompts, "seed": seed, "draft": str(ddir),
            "draft_sha256": sha256_file(ddir / "model.safetensors"), "target": str(cfg.target),
-           "heldout_fraction": fraction, "max_new_tokens": max_new_tokens, "block_size": dcfg.block_size,
+           "heldout_fraction": fraction, "heldout": heldout, "max_new_tokens": max_new_tokens, "block_size": dcfg.block_size,
            "markov_rank": dcfg.markov_rank, "rope_theta": dcfg.rope_theta, "stop_token_ids": stop,
            "temperature": 0.0,
            "drafts": {name: {"dir": str(dirs[name]), "markov_rank": d.config.markov_rank,

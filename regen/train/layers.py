@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from regen.train.attention import attend
+
 if TYPE_CHECKING:
     from regen.train.draft_config import DSparkConfig
 
@@ -72,7 +74,12 @@ def softmax_scale(cfg: DSparkConfig, head_dim: int) -> float:
 
 
 def apply_rope(x, cos, sin, interleave: bool):
-    """x [..., L, R] rotated at cos/sin [.., L, R/2]; interleaved pairs (2i, 2i+1) or halves (i, i+R/2)."""
+    """x [..., L, R] rotated at cos/sin [.., L, R/2]; interleaved pairs (2i, 2i+1) or halves (i, i+R/2).
+
+    cos/sin are cast to x's dtype (HF style): fp32 tables would promote bf16 q/k to fp32 and SDPA would refuse
+    q/k fp32 with v bf16 wherever no FSDP2 `cast_forward_inputs` casts them (an unwrapped bf16 draft).
+    """
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     if interleave:
         x1, x2 = x[..., 0::2], x[..., 1::2]
         return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
@@ -130,7 +137,7 @@ class MLAAttention(nn.Module):
         k_pe = apply_rope(k_pe[:, None], *rope_k, self.cfg.rope_interleave)  # one shared rotary key head
         k = torch.cat([k_nope, k_pe.expand(-1, self.nh, -1, -1)], dim=-1)
         q = torch.cat([q_nope, q_pe], dim=-1)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        o = attend(q, k, v, mask, self.scale)  # dense SDPA (pinned on CUDA) or flex with a BlockMask
         return self.o_proj(o.transpose(1, 2).reshape(B, Q, self.nh * self.dv))
 
 
@@ -160,7 +167,7 @@ class GQAAttention(nn.Module):
         k = apply_rope(k, *rope_k, self.cfg.rope_interleave)
         rep = self.nh // self.nkv
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        o = attend(q, k, v, mask, self.scale)  # dense SDPA (pinned on CUDA) or flex with a BlockMask
         return self.o_proj(o.transpose(1, 2).reshape(B, Q, self.nh * self.hd))
 
 

@@ -1,7 +1,8 @@
 """`regen train`: the bundled online trainer. Target hidden states on the fly -> DSpark draft checkpoints.
 
     regen train --profile local --run runs/local [--follow] [--max-steps N] [--out DIR]
-    torchrun --nproc_per_node 8 -m regen.train -- --profile kimi-k3 --run runs/k3 --follow
+    torchrun --nnodes 2 --nproc_per_node 4 --rdzv_endpoint TRAIN0:29500 -m regen.train -- --profile kimi-k3 \
+        --run runs/k3 --follow    # GB200: 4 GPUs per tray (docs/cluster.md)
 
 (torchrun needs the `--`: otherwise it reads `--run` as an ambiguous abbreviation of its own `--run-path`.)
 
@@ -34,6 +35,7 @@ from regen.config import add_profile_arguments, load_profile_from_args
 from regen.errors import InputError
 from regen.train import warm_start
 from regen.train.periodic_eval import TrainHooks
+from regen.train.step import reduce_metrics, train_step  # noqa: F401 - the loop's step, importable from here
 
 log = logging.getLogger(__name__)
 
@@ -165,8 +167,9 @@ def make_objective(draft):
         def config(self):
             return self.draft.config
 
-        def forward(self, batch, features, anchors, keep, weights=(0.1, 0.9, 1.0)):
-            return dspark_loss(self.draft, batch, features, anchors, keep, weights=weights)
+        def forward(self, batch, features, anchors, keep, weights=(0.1, 0.9, 1.0), denominator=None):
+            return dspark_loss(self.draft, batch, features, anchors, keep, weights=weights,
+                               denominator=denominator, metrics_on_device=denominator is not None)
 
     return Objective(draft)
 
@@ -183,58 +186,6 @@ def share_frozen_with_target(draft, target_model, dtype) -> None:
             mine.weight = w if not w.requires_grad else torch.nn.Parameter(w.detach(), requires_grad=False)
         else:
             mine.to(dtype)
-
-
-def draft_vocabulary(draft_cfg, feed, resume_from, *, follow: bool = False):
-    """(target ids int64[Vd] or None, report dict or None) of the reduced draft vocabulary (`regen.train.draft_vocab`).
-
-    A resumed run keeps its checkpoint's vocabulary (the `d2t` weight); a new one takes the Vd most frequent
-    supervised tokens of the feed's training rows, stop tokens always included, chosen on rank 0 and broadcast
-    (ranks may read the manifest at different moments). With `follow`, it waits for the first shard and uses
-    the shards listed then: rows rendered later keep only their supervised tokens inside it. Raises InputError
-    for a checkpoint of another vocabulary size or an impossible size.
-    """
-    import torch
-    import torch.distributed as dist
-
-    V, Vd = draft_cfg.vocab_size, draft_cfg.draft_vocab_size
-    if not Vd:
-        return None, None
-    if resume_from is not None:
-        from safetensors import safe_open
-
-        from regen.train.model import CONFIG_NAME, WEIGHTS_NAME
-
-        saved = json.loads((Path(resume_from) / CONFIG_NAME).read_text()).get("draft_vocab_size", 0)
-        if saved != Vd:
-            raise InputError(f"{resume_from}: the checkpoint has draft_vocab_size={saved}, the profile gives {Vd}; "
-                             "resume with the same train.* settings or use a new run directory (or --out)")
-        with safe_open(str(Path(resume_from) / WEIGHTS_NAME), framework="pt") as f:
-            d2t = f.get_tensor("d2t")
-        return d2t + torch.arange(d2t.numel()), {"size": int(d2t.numel()), "from": str(resume_from)}
-    from regen.train.draft_vocab import select_draft_vocab
-
-    ids, report = torch.zeros(Vd, dtype=torch.long), None
-    if dist.get_rank() == 0:
-        if follow:
-            feed.wait_for_first_shard()
-        counts = feed.supervised_token_counts(V)
-        try:
-            chosen, report = select_draft_vocab(counts, Vd, always=draft_cfg.eos_token_id)
-        except ValueError as exc:
-            raise InputError(f"train.draft_vocab_size={Vd}: {exc}") from None
-        report["shards_counted"] = feed.listed_shards()
-        ids = torch.from_numpy(chosen)
-        log.info("draft vocabulary: %d ids, %d distinct supervised tokens seen, coverage %.4f", report["size"],
-                 report["distinct_seen"], report["coverage"])
-    if dist.get_world_size() > 1:
-        box = [report]
-        dist.broadcast_object_list(box, src=0)
-        report = box[0]
-        ids = ids.to("cuda" if dist.get_backend() == "nccl" else "cpu")
-        dist.broadcast(ids, src=0)
-        ids = ids.cpu()
-    return ids, report
 
 
 def prepare_microbatch(mb, seed: int, draft_cfg, device, t2d=None):
@@ -259,71 +210,9 @@ def prepare_microbatch(mb, seed: int, draft_cfg, device, t2d=None):
     anchors, keep = sample_anchors(mb.loss_mask, draft_cfg.num_anchors, gen)  # an anchor token is only an input
     loss_mask = mb.loss_mask if t2d is None else mb.loss_mask & t2d.cpu()[mb.input_ids]
     batch = {"input_ids": mb.input_ids.to(device), "loss_mask": loss_mask.to(device),
-             "attention_mask": mb.attention_mask.to(device), "key": (mb.epoch, mb.index)}
+             "attention_mask": mb.attention_mask.to(device), "key": (mb.epoch, mb.index),
+             "num_tokens": int(mb.attention_mask.sum())}  # counted on the host copy: no device read
     return batch, anchors.to(device), keep.to(device)
-
-
-def train_step(model, target, opt, microbatches, *, loss_weights=(0.1, 0.9, 1.0), grad_clip: float = 1.0,
-               loss_normalization: str = "step") -> dict:
-    """One optimizer step over this rank's micro-batches [(batch, anchors, keep)]; collective over ranks.
-
-    loss_normalization "step" (default): the step's objective is Σ_all w·term / Σ_all w over every micro-batch
-    of every rank (spec §5), so A micro-batches equal one batch holding them all, and W ranks equal one rank
-    accumulating their batches. "micro_batch" (the reference, DS trainer): (1/A) Σ_i Σ_ranks w·term_i / Σ_ranks w_i,
-    each micro-batch normalised by its own weight sum over ranks, then averaged over the A accumulation steps.
-    Returns this rank's partial sums (reduce with `reduce_metrics`), tokens, target seconds, grad norm.
-    """
-    import torch
-
-    from regen.train.loss import decay_weights, evaluation_mask
-    from regen.train.parallel import all_reduce_sum, clip_grad_norm, set_gradient_sync
-
-    cfg = model.config
-    world = torch.distributed.get_world_size()
-    gamma_w = None
-    local_w = []
-    for b, a, k in microbatches:
-        ev = evaluation_mask(a, k, b["loss_mask"], cfg.block_size)
-        gamma_w = decay_weights(cfg.block_size, cfg.loss_decay_gamma, ev.device) if gamma_w is None else gamma_w
-        local_w.append((ev * gamma_w).sum().double().cpu())
-    global_w = all_reduce_sum(torch.stack(local_w))  # Σ over ranks, per micro-batch slot
-    step_w = float(global_w.sum())
-    if loss_normalization not in ("step", "micro_batch"):
-        raise ValueError(f"loss_normalization {loss_normalization!r}: use 'step' or 'micro_batch'")
-    sums = torch.zeros(6, dtype=torch.float64)  # loss, ce, l1, conf, tau_prob·blocks, blocks (supervised ones)
-    t_target = 0.0
-    for i, (batch, anchors, keep) in enumerate(microbatches):
-        set_gradient_sync(model, i == len(microbatches) - 1)
-        tt = time.perf_counter()
-        features = target.features_of(batch)
-        t_target += time.perf_counter() - tt
-        loss, m = model(batch, features, anchors, keep, weights=loss_weights)
-        if loss_normalization == "micro_batch":
-            scale = 1.0 / len(microbatches)
-        else:
-            scale = float(global_w[i]) / step_w if step_w > 0 else 0.0
-        (loss * scale).backward()
-        # dspark_loss: loss = Σ_rank w·L / Σ_ranks w · world; metrics ce/l1/conf = that / world
-        sums += torch.tensor([m["loss"] * scale / world, m["ce"] * scale, m["l1"] * scale, m["conf"] * scale,
-                              m["tau_probabilistic"] * m["num_supervised_blocks"], m["num_supervised_blocks"]],
-                             dtype=torch.float64)
-    grad_norm = clip_grad_norm(model, grad_clip)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    tokens = sum(int(b["attention_mask"].sum()) for b, _, _ in microbatches)
-    return {"sums": sums, "tokens": tokens, "target_s": t_target, "grad_norm": grad_norm, "weight": step_w}
-
-
-def reduce_metrics(m: dict) -> dict:
-    """Step metrics over all ranks from `train_step`'s partial sums (collective)."""
-    import torch
-
-    from regen.train.parallel import all_reduce_sum
-
-    g = all_reduce_sum(torch.cat([m["sums"], torch.tensor([float(m["tokens"])], dtype=torch.float64)]))
-    return {"loss": g[0].item(), "ce": g[1].item(), "l1": g[2].item(), "conf": g[3].item(),
-            "tau_probabilistic": g[4].item() / max(1.0, g[5].item()), "tokens": int(g[6].item()),
-            "grad_norm": m["grad_norm"], "weight": m["weight"]}
 
 
 def run_train(cfg, run, *, follow: bool = False, stop_after_steps: int | None = None,
@@ -340,6 +229,7 @@ def run_train(cfg, run, *, follow: bool = False, stop_after_steps: int | None = 
     import torch.distributed as dist
 
     from regen.config import resolve_path
+    from regen.train.guard import take_train_lease
     from regen.train.parallel import destroy_distributed, init_distributed
 
     # -- config ---------------------------------------------------------------------------------------------
@@ -355,11 +245,18 @@ def run_train(cfg, run, *, follow: bool = False, stop_after_steps: int | None = 
 
     # -- process group --------------------------------------------------------------------------------------
     owns_group = not dist.is_initialized()
-    info = init_distributed(cfg.device)
+    from regen.train.collectives import collective_timeouts
+
+    control_s, hot_s = collective_timeouts(cfg)  # the control plane outwaits the producers, NCCL outwaits it
+    info = init_distributed(cfg.device, timeout_s=hot_s, control_timeout_s=control_s)
+    train_dir = Path(train_dir) if train_dir else Path(run.train)
+    lease = None
     try:
-        return _train(cfg, run, info, target_path, Path(train_dir) if train_dir else Path(run.train),
-                      follow=follow, stop_after_steps=stop_after_steps)
+        lease = take_train_lease(train_dir, info)  # regen.train.guard: one trainer per training directory
+        return _train(cfg, run, info, target_path, train_dir, follow=follow, stop_after_steps=stop_after_steps)
     finally:
+        if lease is not None:
+            lease.release()
         if owns_group:
             destroy_distributed()
 
@@ -369,10 +266,12 @@ def _train(cfg, run, info, target_path: Path, train_dir: Path, *, follow: bool,
     """run_train's body, in the process group `info` (see run_train)."""
     import torch
 
-    from regen.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-    from regen.train.model import DSparkDraft
+    from regen.train.checkpoint import agreed_resume, load_checkpoint
+    from regen.train.draft_vocab import draft_vocabulary
     from regen.train.feed import ShardFeed
-    from regen.train.parallel import all_reduce_sum, shard_model
+    from regen.train.parallel import shard_model
+    from regen.train.heldout import HELDOUT_RULE
+    from regen.train.resume import check_resume, resume_key
     from regen.train.target import TargetContract, TargetFeatures, declared_contract
     from transformers import AutoConfig
 
@@ -394,6 +293,7 @@ def _train(cfg, run, info, target_path: Path, train_dir: Path, *, follow: bool,
     if info.is_main:
         log.info("target in each rank (train.features=%s): %.1f MiB", cfg.features, target.memory_bytes / 2**20)
     manifest_path = Path(run.shards) / "manifest.json"
+    shards_manifest = None
     if manifest_path.exists():
         shards_manifest = json.loads(manifest_path.read_text())
         contract.check(declared_contract(shards_manifest), str(manifest_path))
@@ -404,13 +304,19 @@ def _train(cfg, run, info, target_path: Path, train_dir: Path, *, follow: bool,
     # -- data -----------------------------------------------------------------------------------------------
     feed = ShardFeed(run.shards, feed_config(cfg), rank=info.rank, world_size=info.world_size,
                      grad_accum=cfg.grad_accum, follow=follow)
-    resume_from = latest_checkpoint(train_dir)
+    resume_from, fallback = agreed_resume(train_dir, info)
     init = warm_start.prepare(cfg, draft_cfg, resume_from, info.is_main)  # train.init_from (regen.train.warm_start)
     vocab_ids, vocab_report = (warm_start.vocabulary(init) if init is not None and init.d2t is not None
                                else draft_vocabulary(draft_cfg, feed, resume_from, follow=follow))
 
     # -- draft, sharded -------------------------------------------------------------------------------------
-    draft = DSparkDraft.from_target(target.model, draft_cfg, draft_vocab=vocab_ids).to(info.device)
+    from regen.train.build import build_draft  # on the meta device, materialised on info.device
+
+    draft = build_draft(target.model, draft_cfg, info.device, draft_vocab=vocab_ids,
+                        frozen_dtype=_dtype(cfg.dtype, info.device))
+    from regen.train.attention import training_impl
+
+    draft.attention_impl = training_impl(cfg.attention, info.device)
     warm = warm_start.load_into(draft, init) if init is not None else None
     compute_dtype = _dtype(cfg.dtype, info.device)
     share_frozen_with_target(draft, target.model, compute_dtype)
@@ -433,13 +339,20 @@ def _train(cfg, run, info, target_path: Path, train_dir: Path, *, follow: bool,
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
                             betas=tuple(cfg.betas), eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total_steps, cfg.warmup_frac, cfg.min_lr_frac))
-    step = 0
+    step, changes = 0, []
+    key = resume_key(cfg, shards_manifest=shards_manifest, target_path=Path(target_path),
+                     world_size=info.world_size, total_steps=total_steps)
     if resume_from is not None:
         from regen.train.draft_config import check_rope_theta
         from regen.train.model import CONFIG_NAME, DSparkConfig
 
         check_rope_theta(DSparkConfig.from_json(Path(resume_from) / CONFIG_NAME), draft_cfg.rope_theta,
                          checkpoint=str(Path(resume_from) / CONFIG_NAME), expected_from="this run's draft config")
+        changes = check_resume(resume_from, key, shards_manifest=shards_manifest, follow=follow,  # before
+                               lr_lambda=lr_lambda)  # any load
+        if info.is_main:
+            for c in changes:
+                log.warning("resume changes %s: %s -> %s %s", c["setting"], c["old"], c["new"], c["note"])
         step = load_checkpoint(resume_from, model, opt, sched, feed)
         if info.is_main:
             log.info("resumed from %s at step %d", resume_from, step)
@@ -450,7 +363,16 @@ def _train(cfg, run, info, target_path: Path, train_dir: Path, *, follow: bool,
                  dtypes["draft"], dtypes["target"], cfg.dtype, cfg.target_dtype, dtypes["cpu_native_bf16"])
     training_meta = {"profile_train": cfg.model_dump(), "target": str(target_path), "world_size": info.world_size,
                      "shards_manifest": str(manifest_path), "draft_vocab": vocab_report, "dtype": dtypes,
-                     "init_from": warm}
+                     "init_from": warm, "resume_key": key,
+                     "heldout": {"fraction": cfg.heldout_fraction, "rule": HELDOUT_RULE},
+                     "resume": {"from": str(resume_from) if resume_from else None, "fallback": fallback,
+                                "changes": changes}}
+    if info.is_main:  # the held-out split `regen eval` must keep to (regen.train.heldout.eval_heldout_fraction)
+        from schemas.io import write_json_atomic
+
+        train_dir.mkdir(parents=True, exist_ok=True)
+        write_json_atomic({"fraction": cfg.heldout_fraction, "rule": HELDOUT_RULE, "shards": key["shards"],
+                           "num_shards": key["num_shards"]}, train_dir / "heldout.json")
     num_epochs = cfg.epochs if cfg.epochs > 0 else None  # ends at the first of max_steps and epochs
     pool, source = None, target
     if cfg.features == "producers":
@@ -477,7 +399,9 @@ def _loop(cfg, info, train_dir, model, source, pool, opt, sched, feed, draft_cfg
     import torch
 
     from regen.train.checkpoint import save_checkpoint
-    from regen.train.parallel import all_reduce_sum
+    from regen.train.collectives import control_all_reduce_sum
+    from regen.train.guard import DivergenceMonitor, raise_nonfinite
+    from regen.train.parallel import raise_if_any_rank_failed
 
     seed = cfg.seed
 
@@ -486,20 +410,32 @@ def _loop(cfg, info, train_dir, model, source, pool, opt, sched, feed, draft_cfg
     totals = torch.zeros(5, dtype=torch.float64)  # tokens, target s, step s, feature fetch s, rows (this rank)
     ckpt, steps_here = resume_from, 0
     train_dir.mkdir(parents=True, exist_ok=True)
+    if info.is_main and (train_dir / "stopped.json").exists():  # the last run's stop (regen.train.guard): said, gone
+        log.info("the previous run stopped: %s", json.loads((train_dir / "stopped.json").read_text())["message"])
+        (train_dir / "stopped.json").unlink()
     steps = feed.steps(num_epochs=num_epochs)
+    divergence = DivergenceMonitor()
     while step < total_steps and (stop_after_steps is None or steps_here < stop_after_steps):
-        batch_step = next(steps, None)  # pulled only when it will be trained: the feed position advances here
+        t0, error, mbs = time.perf_counter(), None, []
+        try:  # a bad shard or row on one rank stops every rank now, not at the process-group timeout
+            batch_step = next(steps, None)  # pulled only when it will be trained: the feed position advances here
+            if batch_step is not None:
+                mbs = [prepare_microbatch(mb, seed, draft_cfg, info.device, t2d) for mb in batch_step.microbatches]
+        except Exception as exc:  # noqa: BLE001 - agreed on by every rank, then raised on every rank
+            error = exc
+        raise_if_any_rank_failed(error)
         if batch_step is None:
             break
-        t0 = time.perf_counter()
-        zero = pool.fetch_step(batch_step.microbatches) if pool is not None else set()
-        fetch_s = time.perf_counter() - t0
-        mbs = [prepare_microbatch(mb, seed, draft_cfg, info.device, t2d) for mb in batch_step.microbatches]
+        t1 = time.perf_counter()
+        zero = pool.fetch_step(batch_step.microbatches) if pool is not None else set()  # agreed the same way
+        fetch_s = time.perf_counter() - t1
         for b, _, _ in mbs:
             if b["key"] in zero:  # its features failed on every attempt: trained with zero weight, ranks in step
                 b["loss_mask"] = torch.zeros_like(b["loss_mask"])
         m = train_step(model, source, opt, mbs, loss_weights=tuple(cfg.loss_weights), grad_clip=cfg.grad_clip,
                        loss_normalization=cfg.loss_normalization)
+        if not m["finite"]:  # every rank agreed (train_step): stop before anything is saved
+            raise_nonfinite(step + 1, m, batch_step, ckpt, info, train_dir)  # regen.train.guard
         sched.step()
         step, steps_here = step + 1, steps_here + 1
         step_s = time.perf_counter() - t0
@@ -519,6 +455,9 @@ def _loop(cfg, info, train_dir, model, source, pool, opt, sched, feed, draft_cfg
                 with open(train_dir / "log.jsonl", "a", encoding="utf-8") as f:
                     f.write(json.dumps(rec) + "\n")
                 log.info("step %d loss %.4f tau_p %.3f", step, rec["loss"], rec["tau_probabilistic"])
+            warning = divergence.observe(step, rec["loss"])
+            if warning and info.is_main:
+                log.warning(warning)
             hooks.log(rec)
         hooks.after_step(step, model)
         if cfg.checkpoint_every > 0 and step % cfg.checkpoint_every == 0 and step < total_steps:
@@ -531,7 +470,7 @@ def _loop(cfg, info, train_dir, model, source, pool, opt, sched, feed, draft_cfg
     if ckpt is None or not ckpt.name.endswith(f"{step:06d}"):
         ckpt = save_checkpoint(train_dir, step, model, opt, sched, feed, training=training_meta,
                                keep=cfg.keep_checkpoints)
-    totals = all_reduce_sum(totals)
+    totals = control_all_reduce_sum(totals, "the run's totals")
     summary = {
         "rank": info.rank, "world_size": info.world_size, "device": str(info.device), "steps": step,
         "total_steps": total_steps, "tokens": int(totals[0]), "tokens_per_s": float(totals[0]) / max(1e-9, loop_s),
@@ -542,6 +481,7 @@ def _loop(cfg, info, train_dir, model, source, pool, opt, sched, feed, draft_cfg
         "tau_probabilistic_last": history[-1]["tau_probabilistic"] if history else None,
         "checkpoint": str(ckpt), "feed": feed.state_dict(), "feed_stats": feed.stats, "seed": seed,
         "draft_vocab": vocab_report, "dtype": training_meta["dtype"], "features_from": cfg.features,
+        "divergence_warnings": divergence.warnings, "resume": training_meta["resume"],
         "target_memory_bytes_per_rank": target.memory_bytes,
         "history": history,
     }
@@ -550,7 +490,8 @@ def _loop(cfg, info, train_dir, model, source, pool, opt, sched, feed, draft_cfg
         step_s, fetch_s, rows = float(totals[2]) / info.world_size, float(totals[3]) / info.world_size, float(totals[4])
         report = pool.report(step_s)
         busy = step_s - report["wait_s"]  # the loop without waiting for producers: features read, draft trained
-        cpu = all_reduce_sum(torch.tensor([time.process_time() - cpu_start], dtype=torch.float64))
+        cpu = control_all_reduce_sum(torch.tensor([time.process_time() - cpu_start], dtype=torch.float64),
+                                     "CPU seconds")
         steady = step_s - report["first_wait_s"]  # after the first feature object: the producers are up
         summary["features"] = {**report, "fetch_s": fetch_s,
                                "data_wait_fraction": report["wait_s"] / step_s if step_s > 0 else 0.0,

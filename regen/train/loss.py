@@ -131,19 +131,23 @@ def num_supervised_blocks(eval_BNK) -> int:
     return int((eval_BNK[..., 0] > 0).sum())
 
 
-def _global_denominator(local: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Σ w over data-parallel ranks (all_reduce when a process group is up) and the world size."""
+def _global_denominator(local: torch.Tensor, known: float | None = None) -> tuple[torch.Tensor | float, int]:
+    """Σ w over data-parallel ranks and the world size: `known` when the caller has it (the trainer agrees on
+    every micro-batch's weight once per step), else an all-reduce of the device tensor on the hot plane."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
-        total = local.detach().clone()
-        dist.all_reduce(total)
-        return total, dist.get_world_size()
-    return local.detach(), 1
+    if not (dist.is_available() and dist.is_initialized()):
+        return (local.detach() if known is None else known), 1
+    if known is not None:
+        return known, dist.get_world_size()
+    from regen.train.collectives import hot_all_reduce_sum
+
+    return hot_all_reduce_sum(local, "the loss denominator"), dist.get_world_size()
 
 
 def dspark_loss(draft, batch: dict, features, anchors=None, keep=None, *, generator=None,
-                weights=LOSS_WEIGHTS, chunk_slots: int | None = None, fused: bool = True):
+                weights=LOSS_WEIGHTS, chunk_slots: int | None = None, fused: bool = True,
+                denominator: float | None = None, metrics_on_device: bool = False):
     """The DSpark loss for one micro-batch (spec §5). Returns (loss scalar tensor, metrics dict of floats).
 
     batch: `input_ids` int[B, S], `loss_mask` {0,1}[B, S], optional `attention_mask` [B, S], `position_ids`.
@@ -159,6 +163,9 @@ def dspark_loss(draft, batch: dict, features, anchors=None, keep=None, *, genera
     Each term is Σ w·term / Σ_global w · world_size (cancels DDP/FSDP gradient averaging):
     L = 0.1·CE + 0.9·L1 + 1.0·BCE(c, c*), c* = clamp(1 − ½‖p_d − p_t‖₁, 0, 1) detached, p_d the
     Markov-corrected draft distribution at T=1 with teacher forcing. Metrics are this rank's, unreduced.
+    denominator: Σ_global w of this micro-batch when the caller knows it (no collective here).
+    metrics_on_device: metrics as 0-d tensors on the training device (no host read; the trainer reads them
+    once per log step) instead of Python numbers.
     """
     taps, last_hidden = features
     ids, lm = batch["input_ids"], batch["loss_mask"]
@@ -179,8 +186,8 @@ def dspark_loss(draft, batch: dict, features, anchors=None, keep=None, *, genera
     h_sel = hidden.flatten(0, 2)[sel]
     prev_sel, w_sel = prev_ids.flatten()[sel], w.flatten()[sel]
     tgt_sel = draft.to_draft_index(tgt_ids.flatten()[sel])  # output-row indices (== ids with the full vocab)
-    denom, world = _global_denominator(w.sum())
-    denom = denom.clamp(min=1e-6)
+    denom, world = _global_denominator(w.sum(), denominator)
+    denom = max(denom, 1e-6) if isinstance(denom, float) else denom.clamp(min=1e-6)
     scale = w_sel / denom * world  # Σ over ranks of Σ scale·term = the global weighted mean (spec §5)
     if fused:
         from regen.train.fused_loss import fused_vocab_loss
@@ -215,6 +222,16 @@ def dspark_loss(draft, batch: dict, features, anchors=None, keep=None, *, genera
         full_cstar[sel] = c_star
         match = torch.zeros(M, device=w.device)
         match[sel] = hit
+        if metrics_on_device:
+            nsb = (ev[..., 0] > 0).sum()
+            n_blocks = nsb.clamp(min=1)
+            return loss, {
+                "loss": loss.detach(), "ce": ce_t / world, "l1": l1_t / world, "conf": conf_t.detach() / world,
+                "acc": (match.view_as(w) * ev).sum() / ev.sum().clamp(min=1),
+                "tau_probabilistic": 1.0 + ((full_cstar.view_as(w) * ev).cumprod(-1).sum() / n_blocks),
+                "tau_teacher_forced": 1.0 + ((match.view_as(w) * ev).cumprod(-1).sum() / n_blocks),
+                "num_blocks": keep.sum(), "num_supervised_blocks": nsb, "num_slots": ev.sum(),
+            }
         n_slots = max(1.0, float(ev.sum()))
         metrics = {
             "loss": float(loss), "ce": float(ce_t) / world, "l1": float(l1_t) / world, "conf": float(conf_t) / world,

@@ -54,6 +54,8 @@ class DSparkDraft(nn.Module):
     `layers.{l}.self_attn.{q_a_proj,...}`, `final_norm`, `markov_head.markov_w{1,2}`, `confidence_head.proj`.
     """
 
+    attention_impl = "sdpa"  # "sdpa" (dense mask, pinned backend on CUDA) | "flex" (BlockMask); regen.train.attention
+
     def __init__(self, cfg: DSparkConfig):
         super().__init__()
         self.config = cfg
@@ -182,7 +184,7 @@ class DSparkDraft(nn.Module):
         h = self.embed(block_ids_BQ).to(ctx_BSH.dtype)
         rope_q = self.rotary(blk_pos_BQ)
         rope_k = self.rotary(torch.cat([ctx_pos_BS, blk_pos_BQ], dim=1))
-        if mask_BQL is not None:
+        if isinstance(mask_BQL, torch.Tensor):  # (a flex BlockMask carries the same rule itself)
             # rows with nothing to attend (dummy blocks) attend everywhere: finite, and weighted 0 by the loss
             mask_BQL = mask_BQL | ~mask_BQL.any(-1, keepdim=True)
             mask_BQL = mask_BQL[:, None]
@@ -204,7 +206,12 @@ class DSparkDraft(nn.Module):
         block_ids = torch.full((B, N, K), self.config.mask_token_id, dtype=torch.long, device=input_ids_BS.device)
         block_ids[:, :, 0] = input_ids_BS.gather(1, anchors_BN).long()
         blk_pos = position_ids_BS.gather(1, anchors_BN)[..., None] + torch.arange(K, device=anchors_BN.device)
-        mask = create_block_attention_mask(anchors_BN, keep_BN, S, K, attention_mask=attention_mask_BS)
+        if self.attention_impl == "flex":  # block-sparse: masked tiles neither computed nor stored
+            from regen.train.attention import dspark_block_mask
+
+            mask = dspark_block_mask(anchors_BN, keep_BN, S, K, attention_mask=attention_mask_BS)
+        else:
+            mask = create_block_attention_mask(anchors_BN, keep_BN, S, K, attention_mask=attention_mask_BS)
         ctx = self.context(taps_BSX)
         h = self.backbone(ctx, block_ids.view(B, N * K), position_ids_BS, blk_pos.view(B, N * K), mask)
         return h.view(B, N, K, -1)

@@ -2,7 +2,8 @@
 
 Process group from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); without
 it, a world of one in this process (an in-memory store), so one process takes the same code path as many.
-Backend: NCCL on CUDA, gloo on CPU. Sharding follows torchtitan `models/llama3/parallelize.py`: `fully_shard`
+Backend: NCCL on CUDA, gloo on CPU, plus a gloo control group for host-side agreement
+(`regen.train.collectives`, through which every collective goes). Sharding follows torchtitan `models/llama3/parallelize.py`: `fully_shard`
 on each block of `model.layers`, then on the root; the training loop has no `if distributed` branches.
 
 Full (unsharded) state dicts gather to rank 0 on CPU for checkpoints (`full_model_state`, `full_optim_state`)
@@ -35,33 +36,76 @@ class DistInfo:
 
 
 def resolve_device(device: str = "auto", local_rank: int = 0) -> torch.device:
-    """`auto` -> cuda:LOCAL_RANK when CUDA is available, else cpu; `cpu`/`cuda` taken as given."""
+    """`auto` -> cuda:LOCAL_RANK when CUDA is available, else cpu (logged); `cpu`/`cuda` taken as given.
+
+    Raises InputError for `cuda` when this torch sees no CUDA device (a CPU-only wheel, no driver, no visible
+    GPU: a run that expected GPUs never trains on CPU silently), and for a local rank beyond the visible devices
+    (`--nproc_per_node` larger than the node's GPUs, e.g. 8 on a 4-GPU GB200 tray).
+    """
+    from regen.errors import InputError
+
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device == "cpu":
+            import logging
+
+            logging.getLogger(__name__).warning(
+                "train.device=auto: no CUDA device visible to torch %s (CUDA build: %s); training on CPU. Set "
+                "train.device=cuda on GPU nodes so this is an error", torch.__version__, torch.version.cuda)
     if device == "cuda":
+        if not torch.cuda.is_available():
+            raise InputError(
+                f"train.device=cuda but torch {torch.__version__} sees no CUDA device (CUDA build: "
+                f"{torch.version.cuda}; CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}): install "
+                "a CUDA build of torch on the GPU nodes, check the driver and the visible devices, or set "
+                "train.device=cpu to train on CPU on purpose")
+        count = torch.cuda.device_count()
+        if local_rank >= count:
+            raise InputError(
+                f"LOCAL_RANK={local_rank} but this node has {count} visible CUDA device(s): launch at most "
+                f"{count} processes per node (torchrun --nproc_per_node {count}; a GB200 tray has 4 GPUs, see "
+                "docs/cluster.md)")
         return torch.device("cuda", local_rank)
     return torch.device(device)
 
 
-def init_distributed(device: str = "auto", timeout_s: float = 1800.0) -> DistInfo:
-    """Initialise (or reuse) the default process group from torchrun's env vars; world size 1 without them."""
+def init_distributed(device: str = "auto", timeout_s: float | None = None,
+                     control_timeout_s: float | None = None) -> DistInfo:
+    """Initialise (or reuse) the default process group from torchrun's env vars; world size 1 without them.
+
+    Then the control group (`regen.train.collectives.setup`, gloo). Timeouts default to
+    `collectives.collective_timeouts()`: control 1,800 s, hot (NCCL) longer, so the clear error wins.
+    Raises InputError from `resolve_device`.
+    """
+    from regen.train import collectives
+
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     dev = resolve_device(device, local_rank)
     backend = "nccl" if dev.type == "cuda" else "gloo"
+    default_control, default_hot = collectives.collective_timeouts()
+    control_timeout_s = control_timeout_s or default_control
+    timeout_s = timeout_s or max(default_hot, control_timeout_s + collectives.MARGIN_S)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=timeout_s)
+        extra = {"device_id": dev} if dev.type == "cuda" else {}  # eager NCCL init on this rank's GPU
         if "MASTER_ADDR" in os.environ and world > 1 or "TORCHELASTIC_RUN_ID" in os.environ:
-            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, **extra)
         else:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, **extra)
+        collectives.setup(backend, control_timeout_s=control_timeout_s, hot_timeout_s=timeout_s)
+    elif not collectives.is_set_up():  # a group made elsewhere (or planes left from a destroyed one)
+        collectives.setup(dist.get_backend(), control_timeout_s=control_timeout_s, hot_timeout_s=timeout_s)
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, dev, backend)
 
 
 def destroy_distributed() -> None:
+    from regen.train import collectives
+
+    collectives.teardown()
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -97,41 +141,21 @@ def set_gradient_sync(model: nn.Module, sync: bool) -> None:
     model.set_requires_gradient_sync(sync)
 
 
-def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
-    """Σ over ranks (a copy; the input is left as is)."""
-    out = x.detach().clone()
-    dist.all_reduce(out)
-    return out
-
-
 def raise_if_any_rank_failed(error: BaseException | None) -> None:
-    """Collective: when any rank passes an error, every rank raises (rank 0's kind, every rank's message), so a
-    failure on one rank stops the job cleanly instead of leaving the others in the next collective until the
-    process-group timeout. `error` None = this rank is fine. World size 1: re-raises `error`."""
-    if dist.get_world_size() == 1:
-        if error is not None:
-            raise error
-        return
-    flag = torch.tensor([0 if error is None else 1], dtype=torch.int64)
-    dist.all_reduce(flag)
-    if int(flag) == 0:
-        return
-    msgs: list = [None] * dist.get_world_size()
-    dist.all_gather_object(msgs, None if error is None else (type(error).__name__, str(error)))
-    if error is not None:
-        raise error
-    from regen.errors import InputError
+    """See `regen.train.collectives.raise_if_any_rank_failed` (on the control plane)."""
+    from regen.train.collectives import raise_if_any_rank_failed as agree
 
-    raise InputError("; ".join(f"rank {r}: {m[1]}" for r, m in enumerate(msgs) if m is not None))
+    agree(error)
 
 
-def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
-    """Clip the global gradient norm of the (sharded) trainable parameters; returns the norm before clipping."""
+def clip_grad_norm(model: nn.Module, max_norm: float, *, as_tensor: bool = False):
+    """Clip the global gradient norm of the (sharded) trainable parameters; returns the norm before clipping:
+    a float, or with `as_tensor` a 0-d tensor on the training device (no host synchronisation)."""
     params = [p for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
-    return float(norm)
+    return norm.detach() if as_tensor else float(norm)
 
 
 def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -175,7 +175,9 @@ class PeriodicEval:
             tmp.rename(final)
             shutil.rmtree(old, ignore_errors=True)
         if dist.is_initialized():
-            dist.barrier()
+            from regen.train.collectives import control_barrier
+
+            control_barrier()
 
     def summary(self) -> dict:
         """What the training summary carries: the curve's (step, estimate) points, the best, the method."""

@@ -91,18 +91,23 @@ def _folder(path: str | Path) -> Path:
 def read_init(path: str | Path) -> InitDraft:
     """Read the draft at `path` (module docstring). InputError for a missing or unreadable one, a layout this
     project does not read, or a non-finite weight."""
-    import torch
     from safetensors.torch import load_file
+
+    from regen.train.guard import nonfinite_tensors
 
     folder = _folder(path)
     raw = json.loads((folder / "config.json").read_text())
     weights = folder / "model.safetensors"
     if not weights.is_file():
         raise InputError(f"train.init_from: {weights} is missing (only model.safetensors is read)")
+    if (folder / "MANIFEST.json").is_file():  # a trainer step folder: verified against its manifest
+        from regen.train.checkpoint import check_intact
+
+        check_intact(folder)
     tensors = load_file(str(weights))
-    bad = [k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    bad = nonfinite_tensors(tensors)
     if bad:
-        raise InputError(f"train.init_from: {weights} holds non-finite values in {sorted(bad)[:5]}: start from a "
+        raise InputError(f"train.init_from: {weights} holds non-finite values in {bad[:5]}: start from a "
                          "finite checkpoint")
     arch = (raw.get("architectures") or [None])[0]
     if arch == QWEN3_ARCH:

@@ -28,3 +28,5 @@ def test_bench_features_quick_prints_each_section():
     assert e["producers_vs_in_process_tokens_per_s"] > 0 and 0 <= e["producers"]["data_wait_fraction"] <= 1
     assert e["producers"]["trainer_rows_per_s"] > 0 and e["producers"]["producer_rows_per_s"] > 0
     assert "end to end: producers" in proc.stderr and "K3-shaped rows of 64 tokens" in proc.stderr
+    v = out["value_check"]
+    assert v["object_bytes"] == 64 * 6 * 7168 * 2 and v["check_s"] > 0 and "non-finite value check" in proc.stderr

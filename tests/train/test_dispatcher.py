@@ -103,6 +103,11 @@ def test_a_silent_producer_loses_its_leases_to_the_others(stop_after):
     assert _complete(d, alive, again)["ok"]
     status = post(d.url, "/status")
     assert status["stats"]["lease_expiries"] == 1 and status["stats"]["stale_completions"] == 1
+    # liveness is what was last observed, with when: never "alive" without the time it was last heard from
+    seen = {p["id"]: p for p in status["producers"]}
+    assert seen[dead]["state"] == "dead" and "declared dead at" in seen[dead]["observed"] and not seen[dead]["alive"]
+    assert seen[alive]["state"] == "alive_as_last_observed" and seen[alive]["alive"]
+    assert f"alive as last observed at {seen[alive]['last_seen_at']}" in seen[alive]["observed"]
 
 
 def test_an_item_failing_on_every_attempt_is_failed_with_its_reasons(stop_after):

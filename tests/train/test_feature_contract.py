@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from regen.train.features.contract import (
-    FeatureContractError, FeatureSpec, check_header, decode, encode, layer_ids_in, make_header, object_nbytes,
+    FeatureContractError, FeatureSpec, check_header, check_values, decode, encode, layer_ids_in, make_header, object_nbytes,
     read_header)
 
 SPEC = FeatureSpec("regen/test", (1, 3, 5), "prefix", "float32", 16, 8, "rev-a")
@@ -104,3 +104,37 @@ def test_foreign_and_cut_objects_are_refused():
         read_header(b"X" * 64)
     with pytest.raises(FeatureContractError, match="bytes, its header says"):
         read_header(blob[:-1])
+
+
+@pytest.mark.parametrize("tensor,value,row,pos", [("taps", float("nan"), 1, 3), ("last_hidden", float("inf"), 0, 6),
+                                                  ("taps", float("-inf"), 1, 6)])  # (1, 6) is padding: refused too
+def test_non_finite_feature_values_are_a_contract_breach(tensor, value, row, pos):
+    blob, _, ids, mask, taps, last = _object()
+    header = read_header(blob)
+    t, l = decode(blob, header)
+    check_values(header, t, l, epoch=1, index=4)  # finite: passes
+    (t if tensor == "taps" else l)[row, pos, 2] = value
+    with pytest.raises(FeatureContractError) as e:
+        check_values(header, t, l, epoch=1, index=4)
+    msg = str(e.value)
+    assert f"{tensor} holds 1 non-finite values, the first at row {row} ({'ab'[row]}), position {pos}" in msg
+    assert "micro-batch 1:4" in msg and PRODUCER["id"] in msg
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_staging_hands_the_decoded_tensors_with_one_host_copy(dtype):
+    """The trainer's path into the device (`regen.train.features.staging`): on CPU one copy out of the store's
+    buffer, equal to `decode`; the buffer may be released right after; a cut object is refused."""
+    from regen.train.features.staging import Staging
+
+    spec = FeatureSpec("regen/test", (1, 3, 5), "prefix", dtype, 16, 8, "rev-a")
+    blob, n, ids, mask, taps, last = _object(spec)
+    buf = bytearray(blob)
+    staging = Staging("cpu")
+    t, h = staging.to_device(buf, read_header(blob))
+    buf[:] = bytes(len(buf))  # the store's buffer reused for the next object
+    assert torch.equal(t, taps) and torch.equal(h, last)
+    assert staging.stats == {"objects": 1, "host_bytes": taps.nbytes + last.nbytes, "device_bytes": 0,
+                             "host_copies": 1, "pinned_bytes": 0}
+    with pytest.raises(FeatureContractError, match="lies outside"):
+        staging.to_device(bytearray(blob[:-8]), read_header(blob))

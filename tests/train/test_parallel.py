@@ -35,8 +35,10 @@ def _loopback_only(cmd: list[str]) -> list[str]:
     return cmd
 
 @pytest.mark.parametrize("draft_vocab_size", [0, 300])  # 300: chosen on rank 0, broadcast
-def test_two_ranks_equal_one_rank_with_the_same_global_batch(tiny_run, tmp_path, draft_vocab_size):
+def test_two_ranks_equal_one_rank_with_the_same_global_batch(tiny_run, tmp_path, draft_vocab_size, monkeypatch):
+    """Both runs check their collectives as a GPU run would (NCCL declared: no CPU tensor on the hot plane)."""
     profile, run_dir = tiny_run
+    monkeypatch.setenv("REGEN_TRAIN_DECLARE_BACKEND", "nccl")
     two = tmp_path / "two"
     import shutil
 
@@ -50,7 +52,8 @@ def test_two_ranks_equal_one_rank_with_the_same_global_batch(tiny_run, tmp_path,
     one = run_train(cfg, RunDir.at(run_dir))
     assert one["world_size"] == 1 and one["steps"] == 2
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "REGEN_TRAIN_DECLARE_BACKEND": "nccl"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "-m", "regen.train", "--", "--profile", str(profile), "--run", str(two)]
     for c in common + ["train.grad_accum=1"]:
@@ -66,5 +69,7 @@ def test_two_ranks_equal_one_rank_with_the_same_global_batch(tiny_run, tmp_path,
     a, b = _weights(run_dir), _weights(two)
     assert a.keys() == b.keys()
     for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6, msg=k)
+        # atol 1e-5: fp32 rounding of the two reduction orders, passed through Adam's first steps (measured up
+        # to 6e-6 on weights of about 0.1); an update off by a normalisation is 1e-3 (lr 1e-2) or more
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=k)
     assert summary["loss_last"] == pytest.approx(one["loss_last"], rel=1e-4)

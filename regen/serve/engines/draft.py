@@ -87,11 +87,10 @@ def resolve_step_folder(path: str | Path) -> Path:
 
 
 def load_draft_checkpoint(path: str | Path) -> DraftCheckpoint:
-    """Read a trainer step folder for export. InputError when it is missing, is not a regen draft folder (an
-    engine's export given back), or holds a non-finite weight (a diverged run: the engine would serve NaN)."""
-    import torch
-    from safetensors.torch import load_file
-
+    """Read a trainer step folder for export. InputError when it is missing, is not a regen draft
+    folder (an engine's export given back), or holds a non-finite weight (a diverged run: the engine would serve
+    NaN); CheckpointError when a file differs from its MANIFEST.json (`regen.train.checkpoint.check_intact`)."""
+    from regen.train.checkpoint import load_servable_weights
     from regen.train.draft_config import CONFIG_NAME, WEIGHTS_NAME, DSparkConfig
     from schemas.io import read_json, sha256_file
 
@@ -101,15 +100,7 @@ def load_draft_checkpoint(path: str | Path) -> DraftCheckpoint:
     except ValueError as exc:
         raise InputError(f"{folder / CONFIG_NAME}: {exc}") from None
     weights = folder / WEIGHTS_NAME
-    if not weights.is_file():
-        raise InputError(f"{weights}: missing; the step folder is incomplete (a crash mid-save?): export an earlier "
-                         "step or rerun training")
-    tensors = load_file(str(weights))
-    bad = [k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
-    if bad:
-        raise InputError(f"{weights}: non-finite values in {', '.join(sorted(bad)[:6])}"
-                         f"{' ...' if len(bad) > 6 else ''}: the run diverged before this checkpoint; export the last "
-                         "finite step (runs/<name>/train/checkpoints/) or retrain with a lower train.lr")
+    tensors = load_servable_weights(folder)  # MANIFEST.json verified, every weight finite
     return DraftCheckpoint(folder, cfg, tensors, sha256_file(weights), read_json(folder / "training.json") or {})
 
 

@@ -5,7 +5,8 @@ its object from the store, checks the header against the rank's own batch (`cont
 taps, stream, norm, dtype, sizes, target revision), applies the target's final norm when the producer declared
 its last hidden state pre-norm, and tells the dispatcher it was consumed (the object is removed). Then
 `features_of(batch)` hands the loss exactly what `TargetFeatures.features` would: (taps [B, S, T·Ht],
-last_hidden [B, S, Ht]) in the feature dtype, on the rank's device.
+last_hidden [B, S, Ht]) in the feature dtype, on the rank's device (`regen.train.features.staging`: one host copy
+into reused pinned memory, an asynchronous copy to the GPU).
 
 A micro-batch whose features failed on every attempt comes back as a `FeatureFailure`: under `on_failure:
 error` the loop stops naming it; under `zero_loss` the loop zeroes its loss mask and it is trained with zero
@@ -20,7 +21,7 @@ import time
 from dataclasses import dataclass
 
 from regen.errors import InputError
-from regen.train.features.contract import FeatureSpec, check_header, decode, read_header
+from regen.train.features.contract import FeatureSpec, check_header, check_values, read_header
 from regen.train.features.dispatcher import post
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,9 @@ class RemoteFeatures:
         self.url, self.store, self.spec, self.head, self.device = url, store, spec, head, device
         self.no_producer_timeout_s, self.startup_timeout_s, self.poll_s = no_producer_timeout_s, startup_timeout_s, poll_s
         self._cache: dict[tuple[int, int], tuple] = {}
+        from regen.train.features.staging import Staging
+
+        self.staging = Staging(device)  # reused pinned slots, asynchronous copies to the GPU
         self.stats = {"objects": 0, "bytes": 0, "wait_s": 0.0, "first_wait_s": None, "read_s": 0.0, "failed": 0,
                       "pre_norm_applied": 0}
 
@@ -96,13 +100,14 @@ class RemoteFeatures:
                 header = read_header(view)
                 check_header(header, self.spec, epoch=mb.epoch, index=mb.index, input_ids=mb.input_ids,
                              attention_mask=mb.attention_mask)
-                taps, last = decode(view, header)
+                taps, last = self.staging.to_device(view, header)  # on self.device
+                check_values(header, taps, last, epoch=mb.epoch, index=mb.index)  # non-finite: a contract breach
             finally:
                 del view, handle
             if header["last_hidden_norm"] == "pre_final_norm":
                 last = self.head.final_norm(last.to(self.head.device)).to(last.dtype)
                 self.stats["pre_norm_applied"] += 1
-            self._cache[(mb.epoch, mb.index)] = (taps.to(self.device), last.to(self.device))
+            self._cache[(mb.epoch, mb.index)] = (taps, last)
             post(self.url, "/consumed", {"epoch": mb.epoch, "index": mb.index})
             self.stats["objects"] += 1
             self.stats["bytes"] += int(r["nbytes"])

@@ -77,6 +77,7 @@ class Producer:
     busy_s: float = 0.0
     cpu_s: float = 0.0
     alive: bool = True
+    dead_at: float | None = None  # monotonic time it was declared dead
 
 
 class Dispatcher:
@@ -343,7 +344,7 @@ class Dispatcher:
                 now = time.monotonic()
                 for p in self.producers.values():
                     if p.alive and now - p.last_seen > self.lease_timeout_s:
-                        p.alive = False
+                        p.alive, p.dead_at = False, now
                         log.warning("producer %s silent for %.0f s: dead; its %d lease(s) go back to the pool",
                                     p.id, now - p.last_seen, len(p.leases))
                         for lid in list(p.leases):
@@ -406,11 +407,28 @@ class Dispatcher:
             return {"session": self.session, "url": self.url, "plan_done": self.plan_done, "items": states,
                     "accounted_bytes": self.accounted_bytes(), "budget_bytes": self.budget_bytes,
                     "stats": dict(self.stats), "elapsed_s": time.monotonic() - self.t_start,
-                    "producers": [{"id": p.id, "alive": p.alive, "leases": len(p.leases), "completed": p.completed,
-                                   "rows": p.rows, "failed": p.failed, "busy_s": round(p.busy_s, 3),
-                                   "cpu_s": round(p.cpu_s, 3), "pid": p.info.get("pid"),
+                    "producers": [{"id": p.id, **self._liveness(p), "leases": len(p.leases),
+                                   "completed": p.completed, "rows": p.rows, "failed": p.failed,
+                                   "busy_s": round(p.busy_s, 3), "cpu_s": round(p.cpu_s, 3), "pid": p.info.get("pid"),
                                    "host": p.info.get("host"), "engine": p.info.get("engine")}
                                   for p in self.producers.values()]}
+
+    def _liveness(self, p: Producer) -> dict:
+        """What the dispatcher knows of `p`, never more: `alive` (not yet declared dead), `state` ("dead", or
+        "alive_as_last_observed"), `last_seen_at` (UTC wall time of its last message), `silent_s` and `observed`
+        (one sentence with the times). A producer killed less than `lease_timeout_s` ago still reads
+        alive_as_last_observed, with the time it was last heard from."""
+        now_m, now_w = time.monotonic(), time.time()
+        seen = _iso(now_w - (now_m - p.last_seen))
+        silent = round(now_m - p.last_seen, 3)
+        if not p.alive:
+            dead = _iso(now_w - (now_m - (p.dead_at or now_m)))
+            return {"alive": False, "state": "dead", "last_seen_at": seen, "silent_s": silent,
+                    "observed": f"dead: silent for over {self.lease_timeout_s:g} s, declared dead at {dead} (last "
+                                f"heard from at {seen})"}
+        return {"alive": True, "state": "alive_as_last_observed", "last_seen_at": seen, "silent_s": silent,
+                "observed": f"alive as last observed at {seen} ({silent:.1f} s before this report; declared dead "
+                            f"after {self.lease_timeout_s:g} s of silence)"}
 
 
 class _Server(ThreadingHTTPServer):
@@ -480,3 +498,8 @@ def post(url: str, path: str, body: dict | None = None, timeout_s: float = 30.0)
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout_s) as r:
         return json.loads(r.read())
+
+
+def _iso(t: float) -> str:
+    """UTC wall time `t` (s since the epoch) as 2026-12-02T11:52:03.120Z."""
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int((t % 1) * 1000):03d}Z"

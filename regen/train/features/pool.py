@@ -24,6 +24,7 @@ import hashlib
 import json
 import logging
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -47,23 +48,52 @@ def expanded(value: str | None, field: str) -> str | None:
     return out
 
 
-def host_address() -> str:
-    """This host's address as other nodes see it (its name resolved), for `auto` settings."""
+def host_address(toward: str | None = None, *, field: str = "an auto address") -> str:
+    """This host's address as other nodes see it, for `auto` settings: the source address of the route toward
+    `toward` (the master's host; connecting a UDP socket sends nothing), else the host name resolved.
+
+    Raises InputError when the result is a loopback address (127.x, ::1; Debian images map the host name to
+    127.0.1.1): other nodes could not reach it. `field` names the setting in the message.
+    """
+    import ipaddress
     import socket
 
-    return socket.gethostbyname(socket.gethostname())
+    addr = None
+    if toward:
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+                sock.connect((toward, 9))
+                addr = sock.getsockname()[0]
+        except OSError:
+            addr = None
+    if not addr or ipaddress.ip_address(addr).is_loopback:
+        try:
+            addr = socket.gethostbyname(socket.gethostname())
+        except OSError as exc:
+            raise InputError(f"{field}=auto: this host's name does not resolve ({exc}); set {field} to the address "
+                             "other nodes reach this host at") from None
+    if ipaddress.ip_address(addr).is_loopback:
+        raise InputError(f"{field}=auto resolves to the loopback address {addr} (the host name maps to it, e.g. "
+                         "127.0.1.1 in /etc/hosts), which other nodes cannot reach: set " + field + " to this "
+                         "host's address on the network the inference nodes use (e.g. ${POD_IP})")
+    return addr
 
 
 def resolve_addresses(pcfg, master: str, metrics_url: str | None) -> tuple[str, str | None, str]:
-    """(metrics URL, client hostname, dispatcher host) with `auto` resolved against the master's address."""
+    """(metrics URL, client hostname, dispatcher host) with `auto` resolved against the master's address: on
+    loopback for a loopback master (a local run), else the address routing toward the master, never loopback
+    (`host_address`)."""
+    master_host = master.rsplit(":", 1)[0] if ":" in master else master
     loopback = master.startswith(("127.", "localhost"))
     hostname = expanded(pcfg.store.hostname, "store.hostname")
     if hostname == "auto":
-        hostname = "127.0.0.1" if loopback else host_address()
+        hostname = "127.0.0.1" if loopback else host_address(master_host, field="train.producers.store.hostname")
     if metrics_url == "auto":
-        metrics_url = f"http://{master.rsplit(':', 1)[0]}:9003/metrics"
+        metrics_url = f"http://{master_host}:9003/metrics"
     dhost = expanded(pcfg.dispatcher_host, "dispatcher_host")
-    return metrics_url, hostname, host_address() if dhost == "auto" else dhost
+    if dhost == "auto":
+        dhost = "127.0.0.1" if loopback else host_address(master_host, field="train.producers.dispatcher_host")
+    return metrics_url, hostname, dhost
 
 
 def sizes_for(pcfg, spec_num_taps: int, hidden: int, dtype: str, world_size: int, max_tokens: int,
@@ -138,8 +168,7 @@ class FeaturePool:
     @classmethod
     def start(cls, pcfg, *, info, spec: FeatureSpec, head, plan_feed, num_epochs, num_steps: int, max_tokens: int,
               max_batch: int, train_dir: Path, target_path: str) -> "FeaturePool":
-        import torch.distributed as dist
-
+        from regen.train.collectives import control_all_gather_object, control_broadcast_object_list
         from regen.train.features.client import RemoteFeatures
         from regen.train.features.dispatcher import Dispatcher
         from regen.train.features.store import MooncakeMaster, StoreClient
@@ -163,7 +192,7 @@ class FeaturePool:
                     metrics_url = pool.master.metrics_url if metrics_url == "auto" else metrics_url
             box = [(master_addr, metrics_url)]
             if W > 1:
-                dist.broadcast_object_list(box, src=0)
+                control_broadcast_object_list(box, src=0)
             master_addr, metrics_url = box[0]
             metrics_url, hostname, dispatcher_host = resolve_addresses(pcfg, master_addr, metrics_url)
             pool.store = StoreClient(master_addr, segment_bytes=seg, local_buffer_bytes=buf,
@@ -171,7 +200,7 @@ class FeaturePool:
                                      device=pcfg.store.device)
             segments = [None] * W
             if W > 1:
-                dist.all_gather_object(segments, pool.store.segment)
+                control_all_gather_object(segments, pool.store.segment)
             else:
                 segments = [pool.store.segment]
             url = None
@@ -200,7 +229,7 @@ class FeaturePool:
                 pool._spawn_local(pcfg, url, fdir)
             box = [url]
             if W > 1:
-                dist.broadcast_object_list(box, src=0)
+                control_broadcast_object_list(box, src=0)
             pool.features = RemoteFeatures(box[0], pool.store, spec, head, info.device,
                                            no_producer_timeout_s=pcfg.no_producer_timeout_s,
                                            startup_timeout_s=pcfg.startup_timeout_s)
@@ -278,7 +307,7 @@ class FeaturePool:
     def fetch_step(self, microbatches) -> set[tuple[int, int]]:
         """Fetch one step's features on this rank (collective: every rank learns if any rank must stop). Returns
         the (epoch, index) of micro-batches to train with a zeroed loss mask (`on_failure: zero_loss`)."""
-        from regen.train.parallel import raise_if_any_rank_failed
+        from regen.train.collectives import raise_if_any_rank_failed
 
         error, zero = None, set()
         try:
@@ -299,13 +328,13 @@ class FeaturePool:
 
     def report(self, step_s: float) -> dict:
         """The producer-vs-trainer balance: data-wait fraction of the loop, feature bytes/s, rows/s each side."""
-        import torch.distributed as dist
+        from regen.train.collectives import control_all_gather_object
 
         f = self.features.stats
         zeroed = [self.zeroed]
         if self.info is not None and self.info.world_size > 1:
             zeroed = [None] * self.info.world_size
-            dist.all_gather_object(zeroed, self.zeroed)
+            control_all_gather_object(zeroed, self.zeroed)
         out = {"zeroed_microbatches": sorted((z for r in zeroed for z in r), key=lambda z: (z["epoch"], z["index"])),
                "objects": f["objects"], "bytes": f["bytes"], "wait_s": round(f["wait_s"], 3),
                "first_wait_s": round(f["first_wait_s"] or 0.0, 3),
@@ -315,7 +344,7 @@ class FeaturePool:
         if self.dispatcher is not None:
             st = self.dispatcher.status()
             out["dispatcher"] = st["stats"]
-            out["producers"] = st["producers"]
+            out["producers"] = self._observe_local(st["producers"])
             # what the pool can give: each producer's rows per second of its own work, summed over the live ones
             each = [p["rows"] / p["busy_s"] for p in st["producers"] if p["busy_s"] > 0 and p["alive"]]
             out["producer_rows_per_s"] = sum(each) if each else None
@@ -326,6 +355,29 @@ class FeaturePool:
         if self.watch is not None:
             out["store_allocated_bytes_max"] = self.watch.max_allocated
             out["store_samples"] = len(self.watch.samples)
+        return out
+
+    def _observe_local(self, producers: list[dict]) -> list[dict]:
+        """The dispatcher's view of each producer, corrected by what this process sees of its own local producer
+        processes now: one that exited with a signal or a non-zero status is dead whatever the dispatcher has yet
+        noticed (a SIGKILL less than lease_timeout_s before the run ended); `observed` says which source and when."""
+        from regen.train.features.dispatcher import _iso
+
+        codes = {proc.pid: proc.poll() for proc in self.procs}
+        out = []
+        for p in producers:
+            if p.get("pid") in codes and p.get("host") == socket.gethostname():
+                code, now = codes[p["pid"]], _iso(time.time())
+                if code is None:
+                    p = {**p, "process": f"running at {now}"}
+                elif code == 0:
+                    p = {**p, "process": f"exited normally (status 0), seen at {now}"}
+                else:
+                    how = f"signal {-code}" if code < 0 else f"status {code}"
+                    p = {**p, "alive": False, "state": "dead", "process": f"exited with {how}, seen at {now}",
+                         "observed": f"dead: its process exited with {how} (seen by the pool at {now}; the "
+                                     f"dispatcher last heard from it at {p.get('last_seen_at')})"}
+            out.append(p)
         return out
 
     def close(self) -> None:

@@ -1,0 +1,90 @@
+"""Memory of one training step of the DSpark draft per GPU, term by term (`regen plan`'s figure).
+
+Legend: S tokens per micro-batch (context), N anchors x K block size -> Q = N·K block queries, L = S + Q keys,
+H draft hidden, Ht target hidden, T taps, nh heads, d_qk = d_nope + d_rope, d_v, r_q / r_kv the MLA LoRA ranks,
+I the MLP width, Vd output vocabulary, r the Markov rank, c compute bytes (2 for bf16), W ranks, P parameters.
+
+`activation_bytes` counts what autograd keeps for backward in the draft's forward (`DSparkDraft.forward` with
+`regen.train.layers`), read off the code and checked against the saved tensors measured on CPU
+(tests/train/test_gpu_paths.py: exact for the MLA draft at toy sizes, attention on the math path there):
+
+* context, once: fc_norm outputs and the context_proj input, 2·T·S·Ht·c; context_norm S·H·(4 + c) + 4·S.
+* per layer: the [ctx; block] input of kv_a_proj L·H·c; kv_a_layernorm L·r_kv·(4 + 2c) + 4L; the rotary key
+  tables L·d_rope·c; over the Q block tokens: two RMSNorms 2·(Q·H·(4 + c) + 4Q) (the first layer's input norm
+  only Q·H·c: its input needs no gradient), q_a_proj and MLP inputs 2·Q·H·c, q_a_layernorm Q·r_q·(4 + 2c) + 4Q,
+  rotary query tables Q·d_rope·c, o_proj input Q·nh·d_v·c, MLP 4·Q·I·c; and the attention:
+  - `efficient` (CUDA, pinned): q nh·Q·d_qk·c, k nh·L·d_qk·c, the kv_b output that v views L·nh·(d_nope + d_v)·c,
+    output nh·Q·d_v·c, logsumexp nh·Q·4, the additive mask Q·L·c (per layer; PyTorch converts the bool mask);
+  - `math` (CPU): fp32 copies of q, kᵀ, v (nh·(Q + L)·d_qk·4 + nh·L·d_v·4) and the probabilities nh·Q·L·4
+    (this is also what a fallback to the math kernel would hold on a GPU: 33 GB per layer at 32K rows).
+* final_norm Q·H·(4 + c) + 4Q.
+
+The fused vocabulary loss keeps fp32 gradients g_h Q·H·4, g_e Q·r·4, g_w2 Vd·r·4 (`regen.train.fused_loss`,
+upper bound: every slot supervised) and a chunk's transients, about six [2^25] fp32 buffers.
+Not counted: the CUDA context, NCCL and cuBLAS workspaces, allocator fragmentation with varying row lengths
+(a few GB), the target's own memory when it runs in process.
+"""
+from __future__ import annotations
+
+LOSS_CHUNK_LOGITS = 1 << 25  # regen.train.fused_loss's default chunk: about 2**25 logits
+
+
+def activation_bytes(cfg, S: int, *, c: int = 2, attention: str = "efficient") -> dict:
+    """Saved-for-backward bytes of the draft's forward on one row of S tokens: {context, layers, final_norm,
+    attention, total}; `attention` "efficient" | "math". MLA drafts exactly; GQA drafts approximately (their
+    q/k/v projections in place of the MLA ones)."""
+    K, N, H, L_layers = cfg.block_size, cfg.num_anchors, cfg.hidden_size, cfg.num_hidden_layers
+    Q = N * K
+    L = S + Q
+    T, Ht, nh, I = len(cfg.target_layer_ids), cfg.target_hidden_size, cfg.num_attention_heads, cfg.intermediate_size
+    if cfg.attention_type == "mla":
+        d_qk, d_v, d_r = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.qk_rope_head_dim
+        kv_in = L * H * c + L * cfg.kv_lora_rank * (4 + 2 * c) + 4 * L  # kv_a input, kv_a_layernorm
+        q_in = Q * H * c + (Q * cfg.q_lora_rank * (4 + 2 * c) + 4 * Q if cfg.q_lora_rank else 0)
+        v_store = L * nh * (cfg.qk_nope_head_dim + d_v) * c
+    else:
+        d_qk = d_v = d_r = cfg.head_dim
+        kv_in = L * H * c + L * cfg.num_key_value_heads * cfg.head_dim * (4 + 2 * c) + 4 * L
+        q_in = Q * H * c + Q * nh * cfg.head_dim * (4 + 2 * c) + 4 * Q
+        v_store = L * nh * d_v * c
+    norm_q = Q * H * (4 + c) + 4 * Q
+    per_layer = (kv_in + L * d_r * c + 2 * norm_q + Q * H * c + q_in + Q * d_r * c + Q * nh * d_v * c
+                 + 4 * Q * I * c)
+    if attention == "efficient":
+        attn = nh * Q * d_qk * c + nh * L * d_qk * c + v_store + nh * Q * d_v * c + nh * Q * 4 + Q * L * c
+    elif attention == "math":
+        attn = nh * (Q + L) * d_qk * 4 + nh * L * d_v * 4 + nh * Q * L * 4
+    else:
+        raise ValueError(f"attention {attention!r}: efficient or math")
+    context = 2 * T * S * Ht * c + S * H * (4 + c) + 4 * S
+    layers = L_layers * (per_layer + attn) - (Q * H * 4 + 4 * Q)  # layer 0's input norm: no input gradient
+    final = norm_q
+    return {"context": context, "layers": layers, "attention": L_layers * attn, "final_norm": final,
+            "total": context + layers + final}
+
+
+def step_memory_bytes(cfg, *, tokens: int, world_size: int, grad_accum: int, p_trainable: int, p_frozen: int,
+                      p_layer: int, resident_feature_objects: int, feature_bytes: int = 2, c: int = 2,
+                      frozen_bytes: int = 2) -> dict:
+    """Peak bytes per GPU of one optimizer step, by term (see the module docstring):
+
+    master weights 4·P_t/W; frozen embed/lm_head frozen_bytes·P_f (replicated); unsharded compute copies of the
+    root group and two layers (FSDP2 prefetch) c·(P_t − n_layers·P_layer + 2·P_layer); gradients 4·P_t/W, plus
+    4·P_t unsharded fp32 held through accumulation without reduce-scatter when grad_accum > 1
+    (`set_requires_gradient_sync(False)`); AdamW 8·P_t/W; features resident_feature_objects x tokens·(T + 1)·Ht
+    x feature_bytes; activations `activation_bytes(cfg, tokens)`; the fused loss's saved gradients and chunk.
+    """
+    W, P = world_size, p_trainable
+    T, Ht = len(cfg.target_layer_ids), cfg.target_hidden_size
+    Q = cfg.num_anchors * cfg.block_size
+    Vd = cfg.draft_vocab_size or cfg.vocab_size
+    r = cfg.markov_rank
+    return {
+        "weights": 4 * P / W + frozen_bytes * p_frozen,
+        "unsharded_params": c * (P - cfg.num_hidden_layers * p_layer + 2 * p_layer),
+        "gradients": 4 * P / W + (4 * P if grad_accum > 1 else 0),
+        "optimizer": 8 * P / W,
+        "features": resident_feature_objects * tokens * (T + 1) * Ht * feature_bytes,
+        "activations": activation_bytes(cfg, tokens, c=c)["total"],
+        "loss": Q * cfg.hidden_size * 4 + Q * r * 4 + Vd * r * 4 + 6 * LOSS_CHUNK_LOGITS * 4,
+    }

@@ -1,0 +1,92 @@
+"""One optimizer step of the trainer and its metrics (split from `regen.train.loop`, which imports both):
+`train_step` runs a step's micro-batches, agrees on finiteness across ranks and steps the optimizer;
+`reduce_metrics` reads the step's device metrics to the host at a log step."""
+from __future__ import annotations
+
+import time
+
+
+def train_step(model, target, opt, microbatches, *, loss_weights=(0.1, 0.9, 1.0), grad_clip: float = 1.0,
+               loss_normalization: str = "step") -> dict:
+    """One optimizer step over this rank's micro-batches [(batch, anchors, keep)]; collective over ranks.
+
+    loss_normalization "step" (default): the step's objective is Σ_all w·term / Σ_all w over every micro-batch
+    of every rank (spec §5), so A micro-batches equal one batch holding them all, and W ranks equal one rank
+    accumulating their batches. "micro_batch" (the reference, DS trainer): (1/A) Σ_i Σ_ranks w·term_i / Σ_ranks w_i,
+    each micro-batch normalised by its own weight sum over ranks, then averaged over the A accumulation steps.
+    Returns this rank's partial sums (reduce with `reduce_metrics`), tokens, target seconds, grad norm, `finite`
+    (False: some rank saw a non-finite loss or gradient norm, and `opt.step()` was skipped on every rank; the
+    caller stops, `regen.train.guard`) and `bad_microbatches` (this rank's indices with a non-finite loss).
+    Device synchronisations: two per step (the loss weights, for the control-plane all-reduce, and the
+    finiteness flags before the optimizer step); the metric sums and the grad norm stay on the training device
+    until `reduce_metrics` reads them at a log step.
+    """
+    import torch
+
+    from regen.train.loss import decay_weights, evaluation_mask
+    from regen.train.collectives import control_all_reduce_sum
+    from regen.train.parallel import clip_grad_norm, set_gradient_sync
+
+    cfg = model.config
+    world = torch.distributed.get_world_size()
+    gamma_w = None
+    local_w = []
+    for b, a, k in microbatches:
+        ev = evaluation_mask(a, k, b["loss_mask"], cfg.block_size)
+        gamma_w = decay_weights(cfg.block_size, cfg.loss_decay_gamma, ev.device) if gamma_w is None else gamma_w
+        local_w.append((ev * gamma_w).sum())
+    # Σ over ranks, per micro-batch slot: host values (one read per step), agreed on the control plane
+    global_w = control_all_reduce_sum(torch.stack(local_w).double().cpu(), "the step's loss weights").tolist()
+    step_w = sum(global_w)
+    if loss_normalization not in ("step", "micro_batch"):
+        raise ValueError(f"loss_normalization {loss_normalization!r}: use 'step' or 'micro_batch'")
+    dev = microbatches[0][0]["input_ids"].device if microbatches else None
+    sums = torch.zeros(6, dtype=torch.float64, device=dev)  # loss, ce, l1, conf, tau_prob·blocks, blocks (supervised)
+    t_target = 0.0
+    loss_ok: list = []  # per micro-batch: a bool[1] device tensor, the loss is finite
+    for i, (batch, anchors, keep) in enumerate(microbatches):
+        set_gradient_sync(model, i == len(microbatches) - 1)
+        tt = time.perf_counter()
+        features = target.features_of(batch)
+        t_target += time.perf_counter() - tt
+        loss, m = model(batch, features, anchors, keep, weights=loss_weights, denominator=global_w[i])
+        loss_ok.append(torch.isfinite(m["loss"]).reshape(1))  # on the device: read once, after the clip
+        if loss_normalization == "micro_batch":
+            scale = 1.0 / len(microbatches)
+        else:
+            scale = global_w[i] / step_w if step_w > 0 else 0.0
+        (loss * scale).backward()
+        # dspark_loss: loss = Σ_rank w·L / Σ_ranks w · world; metrics ce/l1/conf = that / world (device tensors)
+        nsb = m["num_supervised_blocks"].double()
+        sums += torch.stack([m["loss"].double() * (scale / world), m["ce"].double() * scale,
+                             m["l1"].double() * scale, m["conf"].double() * scale,
+                             m["tau_probabilistic"].double() * nsb, nsb])
+    grad_norm = clip_grad_norm(model, grad_clip, as_tensor=True)
+    # a non-finite loss or norm on any rank: no rank steps (regen.train.guard; clipping does not clean a NaN).
+    # One device read for every flag of the step, then the agreement on the control plane.
+    flags = torch.cat(loss_ok + [torch.isfinite(grad_norm).reshape(1)]).cpu().tolist() if microbatches else [True]
+    bad_microbatches = [i for i, ok in enumerate(flags[:-1]) if not ok]
+    local_ok = flags[-1] and not bad_microbatches
+    finite = control_all_reduce_sum(torch.tensor([0.0 if local_ok else 1.0], dtype=torch.float64),
+                                    "the step's finiteness flags").tolist()[0] == 0.0
+    if finite:
+        opt.step()
+    opt.zero_grad(set_to_none=True)
+    tokens = sum(b["num_tokens"] if "num_tokens" in b else int(b["attention_mask"].sum()) for b, _, _ in microbatches)
+    return {"sums": sums, "tokens": tokens, "target_s": t_target, "grad_norm": grad_norm, "weight": step_w,
+            "finite": finite, "bad_microbatches": bad_microbatches}
+
+
+def reduce_metrics(m: dict) -> dict:
+    """Step metrics over all ranks from `train_step`'s partial sums (collective, control plane). The device
+    values are read to the host here, once (a log step's one synchronisation)."""
+    import torch
+
+    from regen.train.collectives import control_all_reduce_sum
+
+    host = torch.cat([m["sums"].detach().double().flatten(),
+                      torch.as_tensor(m["grad_norm"]).detach().double().flatten().to(m["sums"].device)]).cpu()
+    g = control_all_reduce_sum(torch.cat([host[:-1], torch.tensor([float(m["tokens"])], dtype=torch.float64)]),
+                               "the step's metric sums").tolist()
+    return {"loss": g[0], "ce": g[1], "l1": g[2], "conf": g[3], "tau_probabilistic": g[4] / max(1.0, g[5]),
+            "tokens": int(g[6]), "grad_norm": float(host[-1]), "weight": m["weight"]}
