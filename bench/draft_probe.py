@@ -76,13 +76,13 @@ def probe_rows(run, cfg, split: str, limit: int) -> list[dict]:
 
 @contextlib.contextmanager
 def recorded_attention(store: list):
-    """Within the block, the draft's attention (`regen.train.layers`) runs as an explicit softmax whose
+    """Within the block, the draft's attention (`regen.train.attention`) runs as an explicit softmax whose
     probabilities float32[B, heads, Q, S+Q] are appended to `store`, one entry per layer call; same outputs."""
     import torch
 
-    from regen.train import layers
+    from regen.train import attention, layers
 
-    original = layers.F
+    original, original_attention = layers.F, attention.F  # the draft's layers call SDPA through regen.train.attention
 
     def explicit(q, k, v, attn_mask=None, scale=None, **other):
         if any(other.values()):  # is_causal, dropout_p, enable_gqa: not what the draft's layers use
@@ -98,11 +98,11 @@ def recorded_attention(store: list):
         def __getattr__(self, name):
             return explicit if name == "scaled_dot_product_attention" else getattr(torch.nn.functional, name)
 
-    layers.F = Patched()
+    layers.F = attention.F = Patched()
     try:
         yield store
     finally:
-        layers.F = original
+        layers.F, attention.F = original, original_attention
 
 
 def probe(draft, target, rows: list[dict], chunk: int = 64) -> dict:
