@@ -29,17 +29,12 @@ def build_draft(target_model, cfg, device, *, draft_vocab=None, frozen_dtype=Non
     """A DSparkDraft on `device` (torch.device or str), trainable parameters fp32, frozen embed_tokens/lm_head the
     target's (`frozen_dtype`, default the target's dtype). draft_vocab: int64[Vd] target ids (required iff
     cfg.draft_vocab_size). Raises ValueError like `DSparkDraft.from_target` (shapes, draft vocabulary)."""
-    from regen.train.model import DSparkDraft
+    from regen.train.model import DSparkDraft, target_head_weights
 
     device = torch.device(device)
     with torch.device("meta"):
         draft = DSparkDraft(cfg)
-    emb = target_model.get_input_embeddings().weight
-    head = target_model.get_output_embeddings().weight
-    want = (cfg.vocab_size, cfg.hidden_size)
-    if tuple(emb.shape) != want or tuple(head.shape) != want:
-        raise ValueError(f"target embeddings {tuple(emb.shape)} / lm_head {tuple(head.shape)} != {want}: "
-                         "the draft's hidden_size and vocab_size must equal the target's")
+    emb, head = target_head_weights(target_model, cfg)
     if cfg.draft_vocab_size and draft_vocab is None:
         raise ValueError(f"draft_vocab_size={cfg.draft_vocab_size} needs the draft vocabulary's target ids "
                          "(regen.train.draft_vocab.select_draft_vocab)")

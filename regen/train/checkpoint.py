@@ -20,7 +20,6 @@ the world size it was written with. Every function here is collective: all ranks
 from __future__ import annotations
 
 import logging
-import os
 import random
 import shutil
 from pathlib import Path
@@ -31,7 +30,7 @@ import torch.distributed as dist
 from regen.train.model import CONFIG_NAME, FROZEN_PREFIXES, WEIGHTS_NAME
 from regen.errors import InputError
 from regen.train.parallel import full_model_state, full_optim_state, load_full_model_state, load_full_optim_state
-from schemas.io import read_json, sha256_file, write_json_atomic
+from schemas.io import _fsync_dir, read_json, sha256_file, write_json_atomic  # fsync of a file or a directory
 
 log = logging.getLogger(__name__)
 LATEST = "latest.json"
@@ -113,14 +112,6 @@ def save_checkpoint(train_dir: Path, step: int, model, optimizer, scheduler, fee
     return final
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_step_folder(train_dir, root, final, step, draft, model_sd, optim_sd, scheduler, feed, training,
                        include_frozen, keep) -> None:
     """Rank 0's part of save_checkpoint: temporary folder, files fsynced, MANIFEST (sizes and sha256), folder
@@ -139,14 +130,14 @@ def _write_step_folder(train_dir, root, final, step, draft, model_sd, optim_sd, 
                 "rng": _rng_state(), "world_size": dist.get_world_size()}, tmp / "train_state.pt")
     files = {}
     for f in sorted(tmp.iterdir()):
-        _fsync(f)
+        _fsync_dir(f)
         files[f.name] = {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
     write_json_atomic({"step": step, "files": files}, tmp / MANIFEST)
-    _fsync(tmp)
+    _fsync_dir(tmp)
     if final.exists():  # this run's own later step folder, or a damaged one it fell back past (checked at start)
         shutil.rmtree(final)
     tmp.rename(final)
-    _fsync(root)
+    _fsync_dir(root)
     write_json_atomic({"step": step, "path": str(final.relative_to(train_dir))}, Path(train_dir) / LATEST)
     if keep > 0:  # by step number; only older ones, never the folder latest.json names
         older = [d for d in step_folders(root) if _step_of(d) < step]

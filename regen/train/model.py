@@ -46,6 +46,18 @@ __all__ = ["DSparkConfig", "DSparkDraft", "kimi_k3_config", "small_config_for_ta
 # ----------------------------------------------------------------------------------------------- the draft
 
 
+def target_head_weights(target_model, cfg):
+    """(embedding weight, lm_head weight) of `target_model`, both [vocab_size, hidden_size] of the draft config
+    `cfg`; ValueError when either shape differs."""
+    emb = target_model.get_input_embeddings().weight
+    head = target_model.get_output_embeddings().weight
+    want = (cfg.vocab_size, cfg.hidden_size)
+    if tuple(emb.shape) != want or tuple(head.shape) != want:
+        raise ValueError(f"target embeddings {tuple(emb.shape)} / lm_head {tuple(head.shape)} != {want}: "
+                         "the draft's hidden_size and vocab_size must equal the target's")
+    return emb, head
+
+
 class DSparkDraft(nn.Module):
     """DSpark block drafter (spec §1-§4). Trainable: context path, backbone, Markov and confidence heads;
     `embed_tokens` and `lm_head` are frozen copies of the target's (spec §5).
@@ -114,12 +126,7 @@ class DSparkDraft(nn.Module):
     def copy_frozen_from(self, target_model) -> None:
         """Copy the target's embeddings and lm_head (its draft-vocabulary rows when reduced) into this draft."""
         cfg = self.config
-        emb = target_model.get_input_embeddings().weight
-        head = target_model.get_output_embeddings().weight
-        want = (cfg.vocab_size, cfg.hidden_size)
-        if tuple(emb.shape) != want or tuple(head.shape) != want:
-            raise ValueError(f"target embeddings {tuple(emb.shape)} / lm_head {tuple(head.shape)} != {want}: "
-                             "the draft's hidden_size and vocab_size must equal the target's")
+        emb, head = target_head_weights(target_model, cfg)
         with torch.no_grad():
             self.embed_tokens.weight.copy_(emb.detach().float())
             rows = head.detach() if not cfg.draft_vocab_size else head.detach()[self.draft_vocab().to(head.device)]
