@@ -216,6 +216,9 @@ def render_report(run_root: str | Path) -> str:
     parts.append("<h2>Generations</h2>" + _html_table(summary.generation_table(con)))
     parts.append("<h2>Rejected</h2>" + _html_table(summary.reject_table(con)))
     parts.append("<h2>Acceptance per cell (trained draft, eval.json)</h2>" + _html_table(acceptance.cells_table(root)))
+    engine = acceptance.engine_cells_table(root)
+    if engine[1]:
+        parts.append("<h2>Acceptance per cell in the engine (llama.cpp, engine-eval.json)</h2>" + _html_table(engine))
     parts.append("</body></html>")
     return "\n".join(parts)
 

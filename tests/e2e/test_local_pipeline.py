@@ -81,6 +81,10 @@ def test_training_ran_when_the_profile_enables_it(local_run):
         q8 = ee["by_gguf_type"]["q8_0"]
         assert ee["num_prompts"] == ev["num_prompts"] and q8["engine"]["num_rounds"] > 0
         assert q8["speed"]["tokens_per_s_target_alone"] > 0 and q8["lossless"]["num_prompts"] == ev["num_prompts"]
+        # per category x length band x mode (issue 28): every prompt in one cell, regen's replay per cell beside
+        assert sum(c["num_requests"] for c in q8["cells"]["cells"]) == ev["num_prompts"]
+        assert q8["cells"]["overall"]["num_rounds"] == q8["engine"]["num_rounds"]
+        assert ee["regen"]["cells"]["engine_budget_rule"]["overall"]["num_requests"] == ev["num_prompts"]
         assert (run / "export" / "llama.cpp" / "draft-dspark.gguf").exists()
         assert "serve (llama.cpp q8_0)" in stdout  # the run's summary table shows it
 

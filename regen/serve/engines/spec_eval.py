@@ -20,6 +20,8 @@ Reported (`<run>/engine-eval.json`):
   the engine's answer equal to the trainer target's greedy continuation. Differences have three sources, each
   reported: the budget rule (the two regen figures), the engine's weights (q8_0 against f32) and the engine's
   float arithmetic (f32 engine against regen).
+- per cell (issue 28): the engine's figures and regen's replay per category x length band x mode of the held-out
+  prompts (`engine_breakdown`, `regen.train.eval_cells.breakdown`), printed as one table per weight type.
 """
 from __future__ import annotations
 
@@ -98,6 +100,73 @@ def summarize_engine(results: list[dict], block_size: int) -> dict:
                          "acc_len_per_request: the mean of each request's 1 + accepted / rounds"}
 
 
+def engine_breakdown(prompts: list[dict], results: list[dict], block_size: int) -> dict:
+    """The engine's figures per category x length band x mode (issue 28, point 2) and per dimension alone, in the
+    layout of `regen.train.eval_cells.breakdown`: {"cells": [{category, length_band, mode, **figures}], "by":
+    {dimension: {value: figures}}, "overall", "averaging"}. `prompts[i]` is the held-out prompt of `results[i]`
+    (`serve_and_measure`). Each figures dict: num_requests, num_rounds (the engine's drafts), acc_len_per_round
+    (1 + Σaccepted / Σdrafts), acc_len_per_request (the mean of each request's own), position_acceptance[k]
+    (the share of the cell's rounds whose draft k+1 was accepted: llama.cpp's per-position counter / drafts,
+    unconditional) and accepted_draft_tokens. The engine reports no per-round proposal lengths, so the
+    conditional per-position rate of `regen eval` is not available here."""
+    from collections import defaultdict
+
+    from regen.train.eval_cells import AVERAGING, DIMENSIONS, cell_of
+
+    if len(prompts) != len(results):
+        raise ValueError(f"engine_breakdown: {len(prompts)} prompts but {len(results)} results")
+
+    def figures(rs: list[dict]) -> dict:
+        s = summarize_engine(rs, block_size)
+        r6 = (lambda x: None if x is None else round(x, 6))  # noqa: E731
+        return {"num_requests": len(rs), "num_requests_without_rounds": sum(1 for r in rs if not r["drafts"]),
+                "num_rounds": s["num_rounds"], "acc_len_per_round": r6(s["acc_len"]),
+                "acc_len_per_request": r6(s["acc_len_per_request"]), "accepted_draft_tokens": s["accepted_draft_tokens"],
+                "position_acceptance": [r6(s["accept_rate_per_position"][str(k)]) for k in range(block_size)]}
+
+    groups: dict = defaultdict(list)
+    by: dict = {d: defaultdict(list) for d in DIMENSIONS}
+    for p, r in zip(prompts, results):
+        cell = cell_of(p)
+        groups[cell].append(r)
+        for d, v in zip(DIMENSIONS, cell):
+            by[d][v].append(r)
+    order = lambda kv: tuple(str(x) for x in kv[0])  # noqa: E731
+    return {"cells": [{"category": c, "length_band": b, "mode": m, **figures(g)}
+                      for (c, b, m), g in sorted(groups.items(), key=order)],
+            "by": {d: {str(v): figures(g) for v, g in sorted(vals.items(), key=lambda kv: str(kv[0]))}
+                   for d, vals in by.items()},
+            "overall": figures(results),
+            "averaging": {k: AVERAGING[k] for k in ("acc_len_per_round", "acc_len_per_request")} | {
+                "position_acceptance": "per position k: llama.cpp's accepted-at-position-k counter / the cell's "
+                                       "drafts (unconditional)"}}
+
+
+def format_engine_cells(res: dict, gguf_type: str) -> str:
+    """A markdown table per cell: the engine's acc_len per round and per request beside regen's replay of the same
+    prompts under the engine's budget rule, and the difference; '' when `res` has no per-cell figures."""
+    cells = ((res.get("by_gguf_type") or {}).get(gguf_type) or {}).get("cells")
+    if not cells:
+        return ""
+    replay = {(c["category"], c["length_band"], c["mode"]): c
+              for c in (((res.get("regen") or {}).get("cells") or {}).get("engine_budget_rule") or {}).get("cells", [])}
+
+    def num(x):
+        return "-" if x is None else f"{x:.3f}"
+
+    head = ["category", "length band", "mode", "requests", "rounds", "engine acc_len/round", "engine acc_len/request",
+            "regen replay acc_len/round", "engine - replay"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for c in cells["cells"]:
+        g = (replay.get((c["category"], c["length_band"], c["mode"])) or {}).get("acc_len_per_round")
+        e = c["acc_len_per_round"]
+        lines.append("| " + " | ".join([str(c["category"]), c["length_band"] or "-", c["mode"] or "-",
+                                        str(c["num_requests"]), str(int(c["num_rounds"])), num(e),
+                                        num(c["acc_len_per_request"]), num(g),
+                                        num(None if e is None or g is None else e - g)]) + " |")
+    return "\n".join(lines)
+
+
 def lossless(reference: list[dict], with_draft: list[dict]) -> dict:
     """Token-for-token comparison of the answers with and without the draft; the first difference of each
     differing prompt with the target's top-2 log-probability gap there (from the reference run)."""
@@ -135,6 +204,7 @@ def regen_side(train_cfg, prompts: list[dict], ddir: Path, max_new_tokens: int, 
 
     from regen.config import resolve_path
     from regen.train.eval import greedy_reference, proposal_table, replay_rounds, summarize
+    from regen.train.eval_cells import breakdown
     from regen.train.model import load_draft
     from regen.train.target import TargetContract, TargetFeatures
     from regen.train.draft_config import DSparkConfig
@@ -149,22 +219,27 @@ def regen_side(train_cfg, prompts: list[dict], ddir: Path, max_new_tokens: int, 
                    *dcfg.eos_token_id})
     K = dcfg.block_size
     standard, engine_rule, agree = [], [], {k: [] for k in (engine_tokens or {})}
+    per_prompt: dict[str, list] = {"protocol": [], "engine_budget_rule": []}  # (prompt, rounds) for the cells
     with torch.no_grad():
         for n, p in enumerate(prompts):
             seq, argmax, taps = greedy_reference(target, p["prompt_ids"], max_new_tokens + K + 1, stop)
             P = len(p["prompt_ids"])
             table = proposal_table(draft, taps, seq, P)
-            standard += replay_rounds(lambda pos, t=table: t[pos - P], seq, argmax, P, max_new_tokens=max_new_tokens,
-                                      block_size=K, stop_ids=stop)
-            engine_rule += replay_engine_rounds(table, argmax, P, n_predict=max_new_tokens, block_size=K,
-                                                stop_ids=stop)
+            std = replay_rounds(lambda pos, t=table: t[pos - P], seq, argmax, P, max_new_tokens=max_new_tokens,
+                                block_size=K, stop_ids=stop)
+            eng = replay_engine_rounds(table, argmax, P, n_predict=max_new_tokens, block_size=K, stop_ids=stop)
+            standard += std
+            engine_rule += eng
+            per_prompt["protocol"].append((p, std))
+            per_prompt["engine_budget_rule"].append((p, eng))
             ref = seq[P:]
             for k, toks in (engine_tokens or {}).items():
                 e = toks[n]
                 same = next((i for i, (x, y) in enumerate(zip(e, ref)) if x != y), min(len(e), len(ref)))
                 agree[k].append((same, len(e)))
     target.close()
-    out = {"protocol": summarize(standard, K), "engine_budget_rule": summarize(engine_rule, K), "stop_token_ids": stop}
+    out = {"protocol": summarize(standard, K), "engine_budget_rule": summarize(engine_rule, K), "stop_token_ids": stop,
+           "cells": {k: breakdown(v, K) for k, v in per_prompt.items()}}
     out["engine_answer_equal_to_fp32_greedy"] = {
         k: {"tokens_equal_before_first_difference": sum(s for s, _ in v), "tokens": sum(n for _, n in v),
             "prompts_identical": sum(1 for s, n in v if s >= n)} for k, v in agree.items()}
@@ -248,9 +323,11 @@ def run_engine_eval(profile, run, *, draft_dir=None, num_prompts: int | None = N
                                  log_path=logs / f"engine-eval-{qtype}-draft.log", log=log)
         tokens[qtype] = [r["tokens"] for r in spec]
         result["by_gguf_type"][qtype] = {
-            "engine": summarize_engine(spec, K), "lossless": lossless(ref, spec), "speed": speed(ref, spec),
+            "engine": summarize_engine(spec, K), "cells": engine_breakdown(prompts, spec, K),
+            "lossless": lossless(ref, spec), "speed": speed(ref, spec),
             "per_request": [{k: r[k] for k in ("prompt_id", "category", "drafts", "accepted", "predicted_n",
-                                               "stop_type")} for r in spec]}
+                                               "stop_type")} | {"length_band": p.get("length_band"),
+                                                                "mode": p.get("mode")} for p, r in zip(prompts, spec)]}
     if regen:
         log("engine-eval: regen's replay of the same prompts (trainer fp32 target)")
         result["regen"] = regen_side(t, prompts, ddir, max_new, engine_tokens=tokens)
@@ -307,6 +384,10 @@ def main(args) -> int:
     res = run_engine_eval(profile, run, draft_dir=args.draft, num_prompts=args.num_prompts,
                           max_new_tokens=args.max_new_tokens, gguf_types=types, regen=not args.no_regen)
     print(headline(res))
+    for qtype in res["by_gguf_type"]:
+        table = format_engine_cells(res, qtype)
+        if table:
+            print(f"\nllama.cpp {qtype}, per category x length band x mode:\n{table}")
     print(json.dumps({k: v for k, v in res.items() if k != "by_gguf_type"} | {
         "by_gguf_type": {q: {k: v for k, v in r.items() if k != "per_request"} for q, r in res["by_gguf_type"].items()}},
         indent=2, default=str)[:6000])
