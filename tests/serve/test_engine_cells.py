@@ -70,3 +70,14 @@ def test_cli_table_and_report_show_engine_beside_replay(tmp_path):
     assert short[6] == pytest.approx(1.2) and short[8] == pytest.approx(1.25)
     (tmp_path / "engine-eval.json").write_text(json.dumps({"by_gguf_type": {"q8_0": {"engine": {}}}}))
     assert engine_cells_table(tmp_path) == ([], [])
+
+
+def test_regen_side_resolves_a_training_directory_and_names_a_folder_without_one(tmp_path):
+    """regen's replay takes what the CLI takes (a step folder, `<run>/train`, a run): a folder with no checkpoint
+    is an InputError naming it, before any model is loaded."""
+    from regen.config import load_profile
+    from regen.errors import InputError
+    from regen.serve.engines.spec_eval import regen_side
+
+    with pytest.raises(InputError, match="no trainer checkpoint there"):
+        regen_side(load_profile("local").train, [], tmp_path / "train", 8)

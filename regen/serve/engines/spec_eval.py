@@ -199,8 +199,11 @@ def speed(reference: list[dict], with_draft: list[dict]) -> dict:
 def regen_side(train_cfg, prompts: list[dict], ddir: Path, max_new_tokens: int, *, engine_tokens=None) -> dict:
     """regen's own acc_len of the trained draft on the same prompts (trainer fp32 target): regen eval's protocol
     and the engine's budget rule; `engine_tokens` {gguf_type: [tokens per prompt]}: how much of each engine's
-    answer equals the fp32 target's greedy continuation."""
+    answer equals the fp32 target's greedy continuation. `ddir`: a step folder, a training directory or a run
+    (its latest step: `resolve_step_folder`); InputError when none holds a checkpoint."""
     import torch
+
+    from regen.serve.engines.draft import resolve_step_folder
 
     from regen.config import resolve_path
     from regen.train.eval import greedy_reference, proposal_table, replay_rounds, summarize
@@ -209,6 +212,7 @@ def regen_side(train_cfg, prompts: list[dict], ddir: Path, max_new_tokens: int, 
     from regen.train.target import TargetContract, TargetFeatures
     from regen.train.draft_config import DSparkConfig
 
+    ddir = resolve_step_folder(ddir)
     dcfg = DSparkConfig.from_json(ddir / "config.json")
     target = TargetFeatures.from_pretrained(resolve_path(train_cfg.target), TargetContract.from_draft_config(dcfg),
                                             device="cpu")
