@@ -124,17 +124,108 @@ def test_non_finite_feature_values_are_a_contract_breach(tensor, value, row, pos
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_staging_hands_the_decoded_tensors_with_one_host_copy(dtype):
     """The trainer's path into the device (`regen.train.features.staging`): on CPU one copy out of the store's
-    buffer, equal to `decode`; the buffer may be released right after; a cut object is refused."""
+    buffer into a host slot, equal to `decode`; the buffer may be released right after; the slot is not reused
+    while the loss holds its tensors; a cut object is refused."""
     from regen.train.features.staging import Staging
 
     spec = FeatureSpec("regen/test", (1, 3, 5), "prefix", dtype, 16, 8, "rev-a")
     blob, n, ids, mask, taps, last = _object(spec)
     buf = bytearray(blob)
     staging = Staging("cpu")
-    t, h = staging.to_device(buf, read_header(blob))
+    first = staging.stage(buf, read_header(blob), (1, 4))
     buf[:] = bytes(len(buf))  # the store's buffer reused for the next object
-    assert torch.equal(t, taps) and torch.equal(h, last)
-    assert staging.stats == {"objects": 1, "host_bytes": taps.nbytes + last.nbytes, "device_bytes": 0,
-                             "host_copies": 1, "pinned_bytes": 0}
+    second = staging.stage(bytearray(blob), read_header(blob), (1, 5))
+    t, h = staging.ready(first)
+    assert torch.equal(t, taps) and torch.equal(h, last) and first.slot != second.slot
+    staging.release(first)
+    third = staging.stage(bytearray(blob), read_header(blob), (1, 6))  # the released slot, not a new one
+    assert third.slot == first.slot and len(staging.host) == 2
+    assert staging.stats == {"objects": 3, "host_bytes": 3 * (taps.nbytes + last.nbytes), "host_copies": 3,
+                             "device_bytes": 0, "device_copies": 0, "pinned_bytes": 0, "resident": 0,
+                             "resident_max": 1, "extra_device_buffers": 0}
     with pytest.raises(FeatureContractError, match="lies outside"):
-        staging.to_device(bytearray(blob[:-8]), read_header(blob))
+        staging.stage(bytearray(blob[:-8]), read_header(blob))
+
+
+class RecordingOps:
+    """`staging._CudaOps` on CPU: the same buffers and copies, each call recorded in order (the events are names)."""
+
+    def __init__(self):
+        self.calls, self.device_buffers = [], 0
+
+    def pinned(self, nbytes):
+        self.calls.append(("pinned", nbytes))
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def device_buffer(self, nbytes):
+        self.device_buffers += 1
+        self.calls.append(("device_buffer", nbytes))
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def copy_async(self, dst, src):
+        dst.copy_(src)
+        self.calls.append(("copy", f"copied{len(self.calls)}"))
+        return self.calls[-1][1]
+
+    def side_wait(self, event):
+        self.calls.append(("side_wait", event))
+
+    def train_wait(self, event, dev):
+        self.calls.append(("train_wait", event))
+
+    def train_event(self):
+        self.calls.append(("train_event", f"released{len(self.calls)}"))
+        return self.calls[-1][1]
+
+    def host_wait(self, event):
+        self.calls.append(("host_wait", event))
+
+
+def test_the_cuda_branch_copies_one_ahead_into_two_device_slots_in_stream_order():
+    """The CUDA branch of `Staging` driven as `RemoteFeatures` drives it over two steps of 4 micro-batches, its CUDA
+    calls recorded: every object's bytes arrive, two device buffers serve all 8, the copy into a slot waits for
+    the training stream's release of its last object, the training stream waits for each copy before compute,
+    the next copy is issued before the current object is handed over, and a host slot is reused only after its
+    copy finished. A caller that never releases gets a fresh buffer, never an overwrite."""
+    from regen.train.features.staging import DEVICE_RESIDENT_OBJECTS, Staging
+
+    ops = RecordingOps()
+    staging = Staging("cpu", ops=ops)
+    blobs = [_object() for _ in range(4)]
+    for step in range(2):
+        staged = [staging.stage(bytearray(b[0]), read_header(b[0]), (step, i)) for i, b in enumerate(blobs)]
+        staging.issue(staged[0])  # the end of fetch
+        for i, s in enumerate(staged):
+            staging.issue(s)
+            if i + 1 < len(staged):
+                staging.issue(staged[i + 1])
+            n_before = len(ops.calls)
+            t, h = staging.ready(s)
+            assert ops.calls[n_before:] == [("train_wait", s.event)]
+            assert torch.equal(t, blobs[i][4]) and torch.equal(h, blobs[i][5])
+            assert staging.stats["resident"] <= DEVICE_RESIDENT_OBJECTS
+            staging.release(s)
+    assert ops.device_buffers == DEVICE_RESIDENT_OBJECTS == staging.stats["resident_max"]
+    assert staging.stats["device_copies"] == 8 and staging.stats["host_copies"] == 8
+    copies = [c for c in ops.calls if c[0] == "copy"]
+    for k in range(2, 8):  # object k goes into object k-2's slot, after the training stream released k-2
+        at = ops.calls.index(copies[k])
+        waits = [c for c in ops.calls[:at] if c[0] == "side_wait"]
+        released = [c[1] for c in ops.calls[:at] if c[0] == "train_event"]
+        assert waits and waits[-1][1] == released[k - 2]
+        assert ops.calls[at - 1][0] == "side_wait"  # nothing between the wait and the copy it orders
+    # within a step, copy k+1 is issued before object k is handed over (its train_wait)
+    hands = [i for i, c in enumerate(ops.calls) if c[0] == "train_wait"]
+    for k in (0, 1, 2, 4, 5, 6):
+        assert ops.calls.index(copies[k + 1]) < hands[k]
+    # the second step's stage reused the host slots only after their copies finished
+    host_waits = [c[1] for c in ops.calls if c[0] == "host_wait"]
+    assert sorted(host_waits) == sorted(c[1] for c in copies[:4])
+    assert len(staging.host) == 4 and sum(1 for c in ops.calls if c[0] == "pinned") == 4
+
+    held = [staging.stage(bytearray(b[0]), read_header(b[0]), (2, i)) for i, b in enumerate(blobs[:3])]
+    for s in held:  # never released: the third gets its own buffer
+        staging.issue(s)
+    views = [staging.ready(s) for s in held]
+    assert staging.stats["extra_device_buffers"] == 1 and staging.stats["resident_max"] == 3
+    assert all(torch.equal(v[0], b[4]) for v, b in zip(views, blobs))
