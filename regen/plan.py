@@ -564,7 +564,7 @@ def print_plan(plan: dict) -> None:
                   d["target_config"]]]
         rows += [[f"memory/GPU {k}", _gib(mem[k]), d["memory_formulas"][k]] for k in d["memory_formulas"]]
         rows += [["memory/GPU total", _gib(mem["total"]), f"W={d['world_size']}, T={d['micro_batch_tokens']}"],
-                 ["host memory/GPU feature staging", _gib(d["host_memory_per_gpu_gib"]["feature_staging"]),
+                 ["host/GPU feature slots", _gib(d["host_memory_per_gpu_gib"]["feature_staging"]),
                   d["host_memory_formulas"]["feature_staging"]],
                  ["training FLOPs", f"{d['training_flops']:.3e}", d["flops_formula"]],
                  ["training time", f"{d['training_hours']:,} h", d["time_formula"]]]
