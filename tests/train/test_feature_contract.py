@@ -180,31 +180,56 @@ class RecordingOps:
     def host_wait(self, event):
         self.calls.append(("host_wait", event))
 
+    def on_copy_stream(self):
+        import contextlib
 
-def test_the_cuda_branch_copies_one_ahead_into_two_device_slots_in_stream_order():
-    """The CUDA branch of `Staging` driven as `RemoteFeatures` drives it over two steps of 4 micro-batches, its CUDA
-    calls recorded: every object's bytes arrive, two device buffers serve all 8, the copy into a slot waits for
-    the training stream's release of its last object, the training stream waits for each copy before compute,
-    the next copy is issued before the current object is handed over, and a host slot is reused only after its
-    copy finished. A caller that never releases gets a fresh buffer, never an overwrite."""
+        self.calls.append(("check_on_copy_stream", None))
+        return contextlib.nullcontext()
+
+
+def test_the_cuda_branch_copies_one_ahead_into_two_device_slots_in_stream_order(monkeypatch):
+    """The CUDA branch of `Staging` driven by the real `RemoteFeatures` (a dispatcher answering ready, a dict
+    store) over two steps of 4 micro-batches, released as `train_step` releases them, its CUDA calls recorded:
+    every object's values arrive; two device buffers serve all 8; the copy into a slot waits (side stream) for the
+    training stream's release of its last object; the training stream waits for each copy before it is handed
+    over; the value check runs on the copy stream; the next copy is issued before the current object is returned
+    for compute; a host slot is reused only after its copy finished. A caller that never releases gets a fresh
+    buffer, never an overwrite."""
+    from types import SimpleNamespace
+
+    from regen.train.features import client as client_mod
+    from regen.train.features.client import RemoteFeatures
     from regen.train.features.staging import DEVICE_RESIDENT_OBJECTS, Staging
 
     ops = RecordingOps()
-    staging = Staging("cpu", ops=ops)
-    blobs = [_object() for _ in range(4)]
+    objects, tensors, mbs = {}, {}, []
+    for step in range(3):
+        for i in range(4):
+            ids, mask = _batch(seed=4 * step + i)
+            h = make_header(SPEC, epoch=step, index=i, attempt=0, sample_ids=["a", "b"], input_ids=ids,
+                            attention_mask=mask, producer=PRODUCER, stream_reading="test")
+            tensors[(step, i)] = (torch.randn(2, 7, 3 * 16), torch.randn(2, 7, 16))
+            parts, _ = encode(h, *tensors[(step, i)])
+            objects[str((step, i))] = b"".join(bytes(p) for p in parts)
+            mbs.append(SimpleNamespace(epoch=step, index=i, input_ids=ids, attention_mask=mask, sample_ids=["a", "b"]))
+
+    def post(url, path, body, timeout_s=None):
+        key = str((body["epoch"], body["index"]))
+        return {"status": "ready", "key": key, "nbytes": len(objects[key])} if path == "/wait" else {}
+
+    monkeypatch.setattr(client_mod, "post", post)
+    store = SimpleNamespace(get=lambda key: (memoryview(objects[key]), None))
+    remote = RemoteFeatures("http://test", store, SPEC, SimpleNamespace(device="cpu"), "cpu")
+    remote.staging = staging = Staging("cpu", ops=ops)
+    handed = []  # index into ops.calls when each object was returned for compute
     for step in range(2):
-        staged = [staging.stage(bytearray(b[0]), read_header(b[0]), (step, i)) for i, b in enumerate(blobs)]
-        staging.issue(staged[0])  # the end of fetch
-        for i, s in enumerate(staged):
-            staging.issue(s)
-            if i + 1 < len(staged):
-                staging.issue(staged[i + 1])
-            n_before = len(ops.calls)
-            t, h = staging.ready(s)
-            assert ops.calls[n_before:] == [("train_wait", s.event)]
-            assert torch.equal(t, blobs[i][4]) and torch.equal(h, blobs[i][5])
+        remote.fetch(mbs[4 * step:4 * step + 4])
+        for i in range(4):
+            t, h = remote.features_of({"key": (step, i)})
+            handed.append(len(ops.calls))
+            assert torch.equal(t, tensors[(step, i)][0]) and torch.equal(h, tensors[(step, i)][1])
             assert staging.stats["resident"] <= DEVICE_RESIDENT_OBJECTS
-            staging.release(s)
+            remote.release({"key": (step, i)})
     assert ops.device_buffers == DEVICE_RESIDENT_OBJECTS == staging.stats["resident_max"]
     assert staging.stats["device_copies"] == 8 and staging.stats["host_copies"] == 8
     copies = [c for c in ops.calls if c[0] == "copy"]
@@ -214,18 +239,19 @@ def test_the_cuda_branch_copies_one_ahead_into_two_device_slots_in_stream_order(
         released = [c[1] for c in ops.calls[:at] if c[0] == "train_event"]
         assert waits and waits[-1][1] == released[k - 2]
         assert ops.calls[at - 1][0] == "side_wait"  # nothing between the wait and the copy it orders
-    # within a step, copy k+1 is issued before object k is handed over (its train_wait)
-    hands = [i for i, c in enumerate(ops.calls) if c[0] == "train_wait"]
-    for k in (0, 1, 2, 4, 5, 6):
-        assert ops.calls.index(copies[k + 1]) < hands[k]
+    for k in range(8):
+        hand = ops.calls[:handed[k]]
+        waited = [i for i, c in enumerate(hand) if c == ("train_wait", copies[k][1])]
+        checked = [i for i, c in enumerate(hand) if c[0] == "check_on_copy_stream"]
+        assert waited and checked and ops.calls.index(copies[k]) < waited[0] < checked[-1]
+        if k % 4 != 3:  # within a step, the next copy is issued before this object goes to compute
+            assert ops.calls.index(copies[k + 1]) < handed[k]
     # the second step's stage reused the host slots only after their copies finished
     host_waits = [c[1] for c in ops.calls if c[0] == "host_wait"]
     assert sorted(host_waits) == sorted(c[1] for c in copies[:4])
     assert len(staging.host) == 4 and sum(1 for c in ops.calls if c[0] == "pinned") == 4
 
-    held = [staging.stage(bytearray(b[0]), read_header(b[0]), (2, i)) for i, b in enumerate(blobs[:3])]
-    for s in held:  # never released: the third gets its own buffer
-        staging.issue(s)
-    views = [staging.ready(s) for s in held]
+    remote.fetch(mbs[8:11])
+    views = [remote.features_of({"key": (2, i)}) for i in range(3)]  # never released: no slot is overwritten
     assert staging.stats["extra_device_buffers"] == 1 and staging.stats["resident_max"] == 3
-    assert all(torch.equal(v[0], b[4]) for v, b in zip(views, blobs))
+    assert all(torch.equal(v[0], tensors[(2, i)][0]) for i, v in enumerate(views))

@@ -11,7 +11,8 @@ failure is known here, before the step's loss weights are computed, and the rank
 last_hidden [B, S, Ht]) in the feature dtype, on the rank's device; it issues the asynchronous device copy of the
 next micro-batch before it returns (`regen.train.features.staging`), applies the target's final norm when the
 producer declared its last hidden state pre-norm, and refuses non-finite values (`contract.check_values`, on the
-device: one host read per micro-batch; a breach stops this rank, and torchrun stops the others). `release(batch)`
+device, queued on the copy stream: its one host read per micro-batch waits for the copy, not for the training
+stream's queued compute; a breach stops this rank, and torchrun stops the others). `release(batch)`
 (`regen.train.step.train_step`, after the micro-batch's backward) frees its device slot, so at most
 `staging.DEVICE_RESIDENT_OBJECTS` (2) objects are on the device at once, whatever grad_accum.
 
@@ -123,23 +124,23 @@ class RemoteFeatures:
 
     def features_of(self, batch: dict):
         """(taps, last_hidden) of a batch prepared from a fetched micro-batch (`batch["key"]` = (epoch, index)), on
-        the device, valid until `release(batch)`; the next fetched micro-batch's device copy is issued first, so
-        it overlaps this one's compute. Raises FeatureContractError (non-finite values), RuntimeError (not fetched)."""
+        the device, valid until `release(batch)`; the next fetched micro-batch's device copy is issued before it
+        returns, so it overlaps this one's compute. Raises FeatureContractError (non-finite values), RuntimeError (not fetched)."""
         key = tuple(batch["key"])
         try:
             staged, header = self._queue.pop(key)
         except KeyError:
             raise RuntimeError(f"features of micro-batch {batch.get('key')} were not fetched") from None
-        self.staging.issue(staged)
-        if self._queue:
-            self.staging.issue(next(iter(self._queue.values()))[0])
-        taps, last = self.staging.ready(staged)
+        taps, last = self.staging.ready(staged)  # issued one micro-batch ago: copied during the last compute
         self._out[key] = staged
         if header is not None:
-            check_values(header, taps, last, epoch=key[0], index=key[1])  # non-finite: a contract breach
-            if header["last_hidden_norm"] == "pre_final_norm":
-                last = self.head.final_norm(last.to(self.head.device)).to(last.dtype)
-                self.stats["pre_norm_applied"] += 1
+            with self.staging.on_copy_stream():  # its host read waits for this copy, not the queued compute
+                check_values(header, taps, last, epoch=key[0], index=key[1])  # non-finite: a contract breach
+        if self._queue:  # the next micro-batch's copy runs while this one computes
+            self.staging.issue(next(iter(self._queue.values()))[0])
+        if header is not None and header["last_hidden_norm"] == "pre_final_norm":
+            last = self.head.final_norm(last.to(self.head.device)).to(last.dtype)
+            self.stats["pre_norm_applied"] += 1
         return taps, last
 
     def release(self, batch: dict) -> None:

@@ -14,6 +14,8 @@ The path of one object (`regen.train.features.client.RemoteFeatures` drives it):
    it and records an event; the host slot is reused only after that event completed. CPU: the device is the
    host, nothing is copied: the host slot is the object's memory.
 3. `ready(staged)` -> (taps, last_hidden): the training stream waits for the copy's event (on the GPU only).
+   A check of the values (`contract.check_values`) runs `on_copy_stream()`: its one host read waits for this
+   copy, not for the compute queued on the training stream.
 4. `release(staged)` (the loss is done: after its backward): CUDA: an event on the training stream marks the
    device slot free for the object after next; CPU: the host slot is free.
 
@@ -91,6 +93,9 @@ class _CudaOps:
 
     def host_wait(self, event):
         event.synchronize()
+
+    def on_copy_stream(self):
+        return torch.cuda.stream(self.stream)
 
 
 class Staging:
@@ -210,6 +215,13 @@ class Staging:
         if staged.event is not None:
             self.ops.train_wait(staged.event, staged.dev)
         return tuple(staged.dev[a:a + z].view(staged.dtype).view(shape) for a, z, shape in staged.parts)
+
+    def on_copy_stream(self):
+        """A context in which work is queued on the copy stream, after the copies issued so far (CPU: a no-op): a
+        check of an object's values read there waits for its copy only, not for the training stream's compute."""
+        import contextlib
+
+        return self.ops.on_copy_stream() if self.ops is not None else contextlib.nullcontext()
 
     # -- 4. the loss is done ------------------------------------------------------------------------------------
     def release(self, staged: Staged) -> None:
