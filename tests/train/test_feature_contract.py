@@ -255,3 +255,47 @@ def test_the_cuda_branch_copies_one_ahead_into_two_device_slots_in_stream_order(
     views = [remote.features_of({"key": (2, i)}) for i in range(3)]  # never released: no slot is overwritten
     assert staging.stats["extra_device_buffers"] == 1 and staging.stats["resident_max"] == 3
     assert all(torch.equal(v[0], tensors[(2, i)][0]) for i, v in enumerate(views))
+
+
+def test_remote_features_zero_a_failed_micro_batch_and_refuse_non_finite_values_when_handed_over(monkeypatch):
+    """Through `RemoteFeatures` on CPU: a micro-batch failed on every attempt is a failure of `fetch` (known before
+    the step) and is handed over as zeros of its shapes, counted resident like any object; an object holding a NaN
+    is refused with the contract error when it is handed over (its values are checked on the device)."""
+    from types import SimpleNamespace
+
+    from regen.train.features import client as client_mod
+    from regen.train.features.client import RemoteFeatures
+
+    mbs, objects = [], {}
+    for i in range(3):
+        ids, mask = _batch(seed=i)
+        h = make_header(SPEC, epoch=0, index=i, attempt=0, sample_ids=["a", "b"], input_ids=ids, attention_mask=mask,
+                        producer=PRODUCER, stream_reading="test")
+        taps, last = torch.randn(2, 7, 3 * 16), torch.randn(2, 7, 16)
+        if i == 2:
+            last[1, 3, 5] = float("nan")
+        objects[str((0, i))] = b"".join(bytes(p) for p in encode(h, taps, last)[0])
+        mbs.append(SimpleNamespace(epoch=0, index=i, input_ids=ids, attention_mask=mask, sample_ids=["a", "b"]))
+
+    def post(url, path, body, timeout_s=None):
+        key = str((body["epoch"], body["index"]))
+        if path != "/wait":
+            return {}
+        if body["index"] == 1:
+            return {"status": "failed", "reason": "producer crashed 3 times"}
+        return {"status": "ready", "key": key, "nbytes": len(objects[key])}
+
+    monkeypatch.setattr(client_mod, "post", post)
+    store = SimpleNamespace(get=lambda key: (memoryview(objects[key]), None))
+    remote = RemoteFeatures("http://test", store, SPEC, SimpleNamespace(device="cpu"), "cpu")
+    failures = remote.fetch(mbs)
+    assert [(f.index, f.reason) for f in failures] == [(1, "producer crashed 3 times")]
+    remote.features_of({"key": (0, 0)})
+    remote.release({"key": (0, 0)})
+    t, h = remote.features_of({"key": (0, 1)})
+    assert t.shape == (2, 7, 48) and h.shape == (2, 7, 16) and not t.any() and not h.any()
+    assert t.dtype == torch.float32 and remote.staging.stats["resident"] == 2  # the zeros and the next object
+    remote.release({"key": (0, 1)})
+    with pytest.raises(FeatureContractError, match="last_hidden holds 1 non-finite values, the first at row 1"):
+        remote.features_of({"key": (0, 2)})
+    assert remote.staging.stats["resident_max"] == 2
