@@ -12,8 +12,8 @@ itself there. Sections, all in one run on this machine:
    baseline is a plain in-memory copy of the same bytes (`bytes(bytearray)`), ratio printed.
 2. k3_stream: objects of Kimi-K3's shape (5 taps + the last hidden state, 7,168 wide, bf16: 84 KiB per token;
    rows of `--k3-tokens` tokens) through the real dispatcher and trainer-side client (`RemoteFeatures`, contract
-   checked), in steps of 4 micro-batches with a budget of three objects: GiB/s, the store's own resident bytes (master metrics) against
-   the budget, and per object the host copies, bytes copied host->device and the most objects on the device.
+   checked), in steps of 4 micro-batches with a budget of three objects: GiB/s, the store's own resident bytes
+   (master metrics) against the budget, and per object the host copies, bytes copied host->device and the most objects on the device.
 3. end_to_end: `regen train` on the same shards and steps, features in process vs through two local producer
    processes: tokens/s of each, their ratio, the data-wait fraction; and each side's capacity measured in that run:
    producer rows/s (per second of a producer's own work) and CPU-s per row, trainer rows/s and CPU-s per row with
@@ -22,8 +22,8 @@ itself there. Sections, all in one run on this machine:
 4. overlap: a step of K3-shaped objects read from the store and staged (`regen.train.features.staging`) with a
    synthetic compute of about a read's duration on each, serial vs the next object's read overlapped with the
    current compute (a thread), in the same run: step seconds and their ratio; copies, device bytes and the most
-   objects resident on the device per mode. On CPU (the device is the host) it measures the store read + host
-   copy overlapped with compute; on a GPU also the device copy, issued one micro-batch ahead as the trainer does.
+   objects resident on the device per mode. On CPU (the device is the host) it measures the store's read into a
+   host slot overlapped with compute; on a GPU also the device copy, issued one micro-batch ahead as the trainer does.
 5. value_check: the cost of refusing non-finite feature values (`regen.train.features.contract.check_values`, run
    on every object the trainer reads) on one K3-shaped row of `--k3-tokens` tokens: seconds per object, GiB/s,
    and its share of the time to copy the same bytes out of a buffer.
@@ -173,24 +173,28 @@ def k3_stream(tokens: int, objects: int, tmp: Path, grad_accum: int = 4) -> dict
             "gib_per_s": objects * size / GiB / wall, "store_resident_bytes_max": watch.max_allocated,
             "resident_within_budget": watch.max_allocated <= budget, "store_samples": len(watch.samples),
             "read_s": client.stats["read_s"], "wait_s": client.stats["wait_s"],
-            # copies per object on the trainer's side: the store's get_buffer, then regen.train.features.staging's
+            # copies per object on the trainer's side: the store's transfer (get_into a registered slot), then
+            # regen.train.features.staging's own host copies (0 with get_into; 1 with get_buffer)
             "copies_per_object": 1 + client.staging.stats["host_copies"] / max(1, client.staging.stats["objects"]),
+            "store_reads_into_slots_per_object": client.staging.stats["store_reads_into_slots"]
+            / max(1, client.staging.stats["objects"]),
             "host_copies_per_object": client.staging.stats["host_copies"] / max(1, client.staging.stats["objects"]),
-            "host_bytes_copied_per_object": client.staging.stats["host_bytes"] / max(1, client.staging.stats["objects"]),
+            "host_bytes_copied_per_object": client.staging.stats["host_bytes"]
+            / max(1, client.staging.stats["objects"]),
             "device_copies_per_object": client.staging.stats["device_copies"] / max(1, client.staging.stats["objects"]),
-            "device_bytes_copied_per_object": client.staging.stats["device_bytes"] / max(1, client.staging.stats["objects"]),
+            "device_bytes_copied_per_object": client.staging.stats["device_bytes"]
+            / max(1, client.staging.stats["objects"]),
             "device_resident_objects_max": client.staging.stats["resident_max"]}
 
 
 def overlap(tokens: int, objects: int, tmp: Path) -> dict:
-    """One step of `objects` micro-batches, each a K3-shaped object read from a Mooncake store and staged
-    (`regen.train.features.staging`: store get, header, one host copy; CUDA: the device copy), then a synthetic
-    compute of about the read's duration on its features, then released. Serial: read i, compute i. Overlapped: a
-    thread reads and stages i+1 while i computes (on CUDA the device copy of i+1 is also issued before i
-    computes, as `RemoteFeatures.features_of` does). Both in this run, on the same objects; ratio = overlapped /
-    serial step time (0.5 would be a perfect overlap of equal halves). On CPU the device is the host: what
-    overlaps is the store read and host copy with compute, which the trainer does not do yet (it reads a step's
-    objects before the step); on a GPU the copy to the device is what the trainer overlaps."""
+    """One step of `objects` micro-batches, each a K3-shaped object read from a Mooncake store and staged as
+    `RemoteFeatures.fetch` does (`get_into` a registered host slot, header, locate; CUDA: the device copy), then a
+    synthetic compute of about the read's duration on its features, then released. Serial: read i, compute i.
+    Overlapped: a thread reads and stages i+1 while i computes. Both in this run, on the same objects; ratio =
+    overlapped / serial step time (0.5 would be a perfect overlap of equal halves). On CPU the device is the
+    host: what overlaps is the store's read with compute, which the trainer does not do yet (it reads a step's
+    objects before the step); on a GPU the copy to the device also overlaps, as the trainer does it."""
     from concurrent.futures import ThreadPoolExecutor
 
     import torch
@@ -219,14 +223,15 @@ def overlap(tokens: int, objects: int, tmp: Path) -> dict:
         for k in keys:
             producer.put(k, parts, n, preferred_segment=trainer.segment)
 
-        def read(i, staging):
+        def read(i, staging):  # as RemoteFeatures.fetch: get_into a registered host slot, header, locate
             t = time.perf_counter()
-            view, handle = trainer.get(keys[i])
-            try:
-                staged = staging.stage(view, read_header(view), i)
-            finally:
-                del view, handle
+            staged, view = staging.stage_into(lambda buf: trainer.get_into(keys[i], buf, n), n, i)
+            staging.locate(staged, read_header(view))
+            del view
             return staged, time.perf_counter() - t
+
+        def new_staging():
+            return Staging(device, register=trainer.register, unregister=trainer.unregister)
 
         def sync():
             if device.type == "cuda":
@@ -238,7 +243,7 @@ def overlap(tokens: int, objects: int, tmp: Path) -> dict:
                 x = torch.tanh(x @ w)
             sync()
 
-        probe = Staging(device)
+        probe = new_staging()
         staged, read_s = read(0, probe)
         taps, _ = probe.ready(staged)
         t = time.perf_counter()
@@ -248,7 +253,7 @@ def overlap(tokens: int, objects: int, tmp: Path) -> dict:
         iters = max(1, round(read_s / max(one, 1e-6)))
         out = {"device": str(device), "object_bytes": size, "objects": objects, "compute_iters": iters}
         for mode in ("serial", "overlapped"):
-            staging = Staging(device)
+            staging = new_staging()
             reads, computes = [], []
             t0 = time.perf_counter()
             if mode == "serial":
@@ -274,6 +279,7 @@ def overlap(tokens: int, objects: int, tmp: Path) -> dict:
             out[mode] = {"step_s": time.perf_counter() - t0, "read_s_per_object": sum(reads) / objects,
                          "compute_s_per_object": sum(computes) / objects,
                          "host_copies_per_object": staging.stats["host_copies"] / objects,
+                         "store_reads_into_slots_per_object": staging.stats["store_reads_into_slots"] / objects,
                          "device_bytes_per_object": staging.stats["device_bytes"] / objects,
                          "device_resident_objects_max": staging.stats["resident_max"],
                          "host_slots": len(staging.host)}
@@ -281,8 +287,9 @@ def overlap(tokens: int, objects: int, tmp: Path) -> dict:
         trainer.close()
     torch.set_num_threads(threads)
     out["overlapped_vs_serial"] = out["overlapped"]["step_s"] / out["serial"]["step_s"]
-    out["measures"] = ("store read + host copy overlapped with compute (CPU: the device is the host)"
-                       if device.type == "cpu" else "store read + host copy + device copy overlapped with compute")
+    out["measures"] = ("the store's read into a host slot overlapped with compute (CPU: the device is the host)"
+                       if device.type == "cpu" else
+                       "the store's read into a pinned host slot + the device copy overlapped with compute")
     return out
 
 
@@ -418,7 +425,8 @@ def main(argv=None) -> int:
         print(f"K3-shaped rows of {k['tokens_per_row']} tokens ({k['object_bytes'] / GiB:.3f} GiB): "
               f"{k['gib_per_s']:.2f} GiB/s, store resident max {k['store_resident_bytes_max'] / GiB:.3f} GiB of a "
               f"{k['budget_bytes'] / GiB:.3f} GiB budget", file=sys.stderr)
-        print(f"  per object: {k['host_copies_per_object']:.0f} host copy + the store's get, "
+        print(f"  per object: the store's transfer into a host slot ({k['store_reads_into_slots_per_object']:.0f}) "
+              f"+ {k['host_copies_per_object']:.0f} host copy after it, "
               f"{k['device_bytes_copied_per_object'] / GiB:.3f} GiB host->device "
               f"({k['device_copies_per_object']:.0f} copies; 0 on CPU: the device is the host), "
               f"at most {k['device_resident_objects_max']} object(s) resident on the device", file=sys.stderr)

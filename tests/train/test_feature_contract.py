@@ -141,7 +141,7 @@ def test_staging_hands_the_decoded_tensors_with_one_host_copy(dtype):
     third = staging.stage(bytearray(blob), read_header(blob), (1, 6))  # the released slot, not a new one
     assert third.slot == first.slot and len(staging.host) == 2
     assert staging.stats == {"objects": 3, "host_bytes": 3 * (taps.nbytes + last.nbytes), "host_copies": 3,
-                             "device_bytes": 0, "device_copies": 0, "pinned_bytes": 0, "resident": 0,
+                             "store_reads_into_slots": 0, "device_bytes": 0, "device_copies": 0, "pinned_bytes": 0, "resident": 0,
                              "resident_max": 1, "extra_device_buffers": 0}
     with pytest.raises(FeatureContractError, match="lies outside"):
         staging.stage(bytearray(blob[:-8]), read_header(blob))
@@ -257,10 +257,34 @@ def test_the_cuda_branch_copies_one_ahead_into_two_device_slots_in_stream_order(
     assert all(torch.equal(v[0], tensors[(2, i)][0]) for i, v in enumerate(views))
 
 
-def test_remote_features_zero_a_failed_micro_batch_and_refuse_non_finite_values_when_handed_over(monkeypatch):
-    """Through `RemoteFeatures` on CPU: a micro-batch failed on every attempt is a failure of `fetch` (known before
-    the step) and is handed over as zeros of its shapes, counted resident like any object; an object holding a NaN
-    is refused with the contract error when it is handed over (its values are checked on the device)."""
+class IntoStore:
+    """A store that reads into registered buffers (`StoreClient.get_into`'s contract) from a dict of objects."""
+
+    def __init__(self, objects):
+        self.objects, self.registered = objects, set()
+
+    def register(self, buf):
+        self.registered.add(buf.data_ptr())
+
+    def unregister(self, buf):
+        self.registered.discard(buf.data_ptr())
+
+    def size(self, key):
+        return len(self.objects[key])
+
+    def get_into(self, key, buf, nbytes):
+        assert buf.data_ptr() in self.registered and len(self.objects[key]) == nbytes <= buf.numel()
+        buf[:nbytes].copy_(torch.frombuffer(bytearray(self.objects[key]), dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("store_kind", ["get", "get_into"])
+def test_remote_features_zero_a_failed_micro_batch_and_refuse_non_finite_values_when_handed_over(monkeypatch,
+                                                                                                 store_kind):
+    """Through `RemoteFeatures` on CPU, with a store read through its buffer (`get`: one copy after it) or straight
+    into registered host slots (`get_into`: none): a micro-batch failed on every attempt is a failure of `fetch`
+    (known before the step) and is handed over as zeros of its shapes, counted resident like any object; an object
+    holding a NaN is refused with the contract error when it is handed over (its values are checked on the
+    device); an object of another micro-batch is refused in `fetch` and its slot is free again."""
     from types import SimpleNamespace
 
     from regen.train.features import client as client_mod
@@ -283,14 +307,21 @@ def test_remote_features_zero_a_failed_micro_batch_and_refuse_non_finite_values_
             return {}
         if body["index"] == 1:
             return {"status": "failed", "reason": "producer crashed 3 times"}
+        key = str((0, 0)) if body["index"] == 5 else key
         return {"status": "ready", "key": key, "nbytes": len(objects[key])}
 
     monkeypatch.setattr(client_mod, "post", post)
-    store = SimpleNamespace(get=lambda key: (memoryview(objects[key]), None))
+    if store_kind == "get":
+        store = SimpleNamespace(get=lambda key: (memoryview(objects[key]), None))
+    else:
+        store = IntoStore(objects)
     remote = RemoteFeatures("http://test", store, SPEC, SimpleNamespace(device="cpu"), "cpu")
     failures = remote.fetch(mbs)
     assert [(f.index, f.reason) for f in failures] == [(1, "producer crashed 3 times")]
-    remote.features_of({"key": (0, 0)})
+    st = remote.staging.stats
+    assert (st["host_copies"], st["store_reads_into_slots"]) == ((2, 0) if store_kind == "get" else (0, 2))
+    t, _ = remote.features_of({"key": (0, 0)})
+    assert t.shape == (2, 7, 48) and torch.isfinite(t).all() and t.abs().sum() > 0
     remote.release({"key": (0, 0)})
     t, h = remote.features_of({"key": (0, 1)})
     assert t.shape == (2, 7, 48) and h.shape == (2, 7, 16) and not t.any() and not h.any()
@@ -299,3 +330,8 @@ def test_remote_features_zero_a_failed_micro_batch_and_refuse_non_finite_values_
     with pytest.raises(FeatureContractError, match="last_hidden holds 1 non-finite values, the first at row 1"):
         remote.features_of({"key": (0, 2)})
     assert remote.staging.stats["resident_max"] == 2
+    remote.close()
+    busy = sum(h["busy"] for h in remote.staging.host)
+    with pytest.raises(FeatureContractError, match="index: the object declares 0, the trainer expects 5"):
+        remote.fetch([SimpleNamespace(**{**vars(mbs[0]), "index": 5})])  # the store answers 0:0's object for 0:5
+    assert sum(h["busy"] for h in remote.staging.host) == busy  # its slot was not kept

@@ -1,11 +1,12 @@
 """The trainer rank's side: the features of its micro-batches, read from the store and checked before use.
 
 `RemoteFeatures.fetch(microbatches)` waits (long-poll on the dispatcher) for each of a step's micro-batches, reads
-its object from the store, checks the header against the rank's own batch (`contract.check_header`: token ids,
-taps, stream, norm, dtype, sizes, target revision), copies it once into host staging and tells the dispatcher it
-was consumed (the object is removed from the store at once, so the store's budget never holds a step). Every
-failure is known here, before the step's loss weights are computed, and the ranks agree on it
-(`FeaturePool.fetch_step`). Nothing is on the device yet but the first micro-batch's copy, issued at the end.
+its object from the store straight into a reused host slot (Mooncake's `get_into` into slots registered with the
+store: its one transfer, no copy of regen's; a store with only `get`: one copy out of its buffer), checks the
+header against the rank's own batch (`contract.check_header`: token ids, taps, stream, norm, dtype, sizes, target
+revision) and tells the dispatcher it was consumed (the object is removed from the store at once, so the store's
+budget never has to hold a step). Every failure is known here, before the step's loss weights are computed, and
+the ranks agree on it (`FeaturePool.fetch_step`). Nothing is on the device yet but the first micro-batch's copy, issued at the end.
 
 `features_of(batch)` hands the loss exactly what `TargetFeatures.features` would: (taps [B, S, T·Ht],
 last_hidden [B, S, Ht]) in the feature dtype, on the rank's device; it issues the asynchronous device copy of the
@@ -54,7 +55,10 @@ class RemoteFeatures:
         self._out: dict[tuple[int, int], object] = {}  # handed to compute, not yet released: Staged
         from regen.train.features.staging import Staging
 
-        self.staging = Staging(device)  # reused host slots, at most 2 objects on the device
+        # reused host slots (registered with the store when it reads into them), at most 2 objects on the device
+        self._into = hasattr(store, "get_into") and hasattr(store, "register")
+        self.staging = Staging(device, register=store.register if self._into else None,
+                               unregister=store.unregister if self._into else None)
         self.stats = {"objects": 0, "bytes": 0, "wait_s": 0.0, "first_wait_s": None, "read_s": 0.0, "failed": 0,
                       "pre_norm_applied": 0}
 
@@ -105,14 +109,28 @@ class RemoteFeatures:
                                                        [(B, S, T * H), (B, S, H)]), None)
                 post(self.url, "/consumed", {"epoch": mb.epoch, "index": mb.index})
                 continue
-            view, handle = self.store.get(r["key"])
-            try:
-                header = read_header(view)
-                check_header(header, self.spec, epoch=mb.epoch, index=mb.index, input_ids=mb.input_ids,
-                             attention_mask=mb.attention_mask)
-                staged = self.staging.stage(view, header, key)  # one host copy; the store's object can go
-            finally:
-                del view, handle
+            if self._into:  # Mooncake: the store's transfer lands in a registered host slot, no copy after it
+                n = self.store.size(r["key"])
+                staged, view = self.staging.stage_into(lambda buf: self.store.get_into(r["key"], buf, n), n, key)
+                try:
+                    header = read_header(view)
+                    check_header(header, self.spec, epoch=mb.epoch, index=mb.index, input_ids=mb.input_ids,
+                                 attention_mask=mb.attention_mask)
+                    self.staging.locate(staged, header)
+                except BaseException:
+                    self.staging.discard(staged)
+                    raise
+                finally:
+                    del view
+            else:  # a store with only `get`: its buffer, then one host copy into a slot
+                view, handle = self.store.get(r["key"])
+                try:
+                    header = read_header(view)
+                    check_header(header, self.spec, epoch=mb.epoch, index=mb.index, input_ids=mb.input_ids,
+                                 attention_mask=mb.attention_mask)
+                    staged = self.staging.stage(view, header, key)  # the store's object can go after this
+                finally:
+                    del view, handle
             self._queue[key] = (staged, header)
             post(self.url, "/consumed", {"epoch": mb.epoch, "index": mb.index})
             self.stats["objects"] += 1
@@ -125,7 +143,8 @@ class RemoteFeatures:
     def features_of(self, batch: dict):
         """(taps, last_hidden) of a batch prepared from a fetched micro-batch (`batch["key"]` = (epoch, index)), on
         the device, valid until `release(batch)`; the next fetched micro-batch's device copy is issued before it
-        returns, so it overlaps this one's compute. Raises FeatureContractError (non-finite values), RuntimeError (not fetched)."""
+        returns, so it overlaps this one's compute. Raises FeatureContractError (non-finite values), RuntimeError
+        (not fetched)."""
         key = tuple(batch["key"])
         try:
             staged, header = self._queue.pop(key)

@@ -1,14 +1,17 @@
-"""Feature objects from the store's buffer into the training device: one host copy into reused host slots (pinned on
-CUDA), then an asynchronous copy to the device issued one micro-batch ahead, so at most `DEVICE_RESIDENT_OBJECTS`
-objects are on the device at any time (TorchSpec `torchspec/training/data_fetcher.py`: pinned buffer,
+"""Feature objects from the store into the training device: the store reads each into a reused host slot (pinned on
+CUDA, registered with the store), then an asynchronous copy to the device issued one micro-batch ahead, so at most
+`DEVICE_RESIDENT_OBJECTS` objects are on the device at any time (TorchSpec `torchspec/transfer/mooncake/
+eagle_store.py`: `batch_get_into` a registered buffer; `torchspec/training/data_fetcher.py`: pinned buffer,
 `non_blocking` copies on a copy stream with events; gpu-readiness finding 3).
 
 The path of one object (`regen.train.features.client.RemoteFeatures` drives it):
 
-1. `stage(buf, header)` (in `fetch`, before the step's compute): the object's tensor bytes are copied once out of
-   the store's buffer into a free host slot (reused; grown to the largest object; the store's object can be
-   removed right after). A step's objects are all staged before its first forward, so the host holds up to
-   grad_accum slots: host memory, counted apart from the GPU's (`regen.plan`).
+1. `stage_into(fill, nbytes)` + `locate(staged, header)` (in `fetch`, before the step's compute): the store writes
+   the whole object into a free host slot (`StoreClient.get_into`; slots are registered through `register` when
+   allocated or grown): no copy of regen's. `stage(buf, header)` is the path for a store with only a buffer to
+   read from: one copy of the tensors' bytes out of it. Either way the slot is reused (grown to the largest
+   object) and the store's object can be removed right after. A step's objects are all staged before its first
+   forward, so the host holds up to grad_accum slots: host memory, counted apart from the GPU's (`regen.plan`).
 2. `issue(staged)` (when the previous micro-batch is handed to compute): CUDA: the side stream waits until the
    training stream released the device slot's previous object, then copies the slot's bytes `non_blocking` into
    it and records an event; the host slot is reused only after that event completed. CPU: the device is the
@@ -27,8 +30,8 @@ in use: counted (`extra_device_buffers`) and visible in `resident_max`, not a si
 The CUDA calls go through a small seam (`_CudaOps`: pinned and device buffers, the side-stream copy, events), so
 the order of the calls is tested on CPU with a recording double (tests/train/test_feature_contract.py).
 
-`stats`: objects, host bytes copied, host copies, device bytes copied, device copies, pinned bytes, resident now
-and at most, extra device buffers.
+`stats`: objects, host bytes copied, host copies, store reads into slots, device bytes copied, device copies,
+pinned bytes, resident now and at most, extra device buffers.
 """
 from __future__ import annotations
 
@@ -47,8 +50,9 @@ class Staged:
     issued its device buffer and copy event. `zeros`: a failed micro-batch's zero features (no bytes staged)."""
     key: tuple
     dtype: torch.dtype
-    parts: list = field(default_factory=list)  # [(offset, nbytes, shape)] of taps, last_hidden in the slot
-    nbytes: int = 0
+    parts: list = field(default_factory=list)  # [(offset from base, nbytes, shape)] of taps, last_hidden
+    nbytes: int = 0  # bytes copied to the device: the slot's [base, base + nbytes)
+    base: int = 0
     slot: int | None = None  # host slot index
     zeros: bool = False
     issued: bool = False
@@ -100,15 +104,19 @@ class _CudaOps:
 
 class Staging:
     """Reused host slots, at most `device_slots` objects on the device, copies one micro-batch ahead (see the module
-    docstring). `ops`: the CUDA calls (default on a CUDA device; None on CPU: the device is the host)."""
+    docstring). `ops`: the CUDA calls (default on a CUDA device; None on CPU: the device is the host).
+    `register` / `unregister`: the store's, called with each host slot allocated / dropped (for `stage_into`)."""
 
-    def __init__(self, device, *, device_slots: int = DEVICE_RESIDENT_OBJECTS, ops=None):
+    def __init__(self, device, *, device_slots: int = DEVICE_RESIDENT_OBJECTS, ops=None, register=None,
+                 unregister=None):
         self.device = torch.device(device)
+        self.register, self.unregister = register, unregister  # the store's, for `stage_into` (get_into)
         self.ops = ops if ops is not None else (_CudaOps(self.device) if self.device.type == "cuda" else None)
         self.host: list[dict] = []  # {"buf", "busy", "event"}
         self.dev_slots: list[dict] = [{"buf": None, "owner": None, "free": None} for _ in range(device_slots)]
-        self.stats = {"objects": 0, "host_bytes": 0, "host_copies": 0, "device_bytes": 0, "device_copies": 0,
-                      "pinned_bytes": 0, "resident": 0, "resident_max": 0, "extra_device_buffers": 0}
+        self.stats = {"objects": 0, "host_bytes": 0, "host_copies": 0, "store_reads_into_slots": 0,
+                      "device_bytes": 0, "device_copies": 0, "pinned_bytes": 0, "resident": 0, "resident_max": 0,
+                      "extra_device_buffers": 0}
 
     # -- 1. the store's buffer -> a host slot ----------------------------------------------------------------
     def stage(self, buf, header: dict, key=None) -> Staged:
@@ -116,17 +124,7 @@ class Staging:
         returns) into a free host slot. Raises FeatureContractError when a tensor's extent lies outside it."""
         dtype = getattr(torch, header["dtype"])
         src = torch.frombuffer(buf, dtype=torch.uint8)
-        extents = []
-        for name in ("taps", "last_hidden"):
-            t = header["tensors"][name]
-            n = 1
-            for d in t["shape"]:
-                n *= d
-            start, size = int(t["offset"]), n * dtype.itemsize
-            if start < 0 or start + size > src.numel():
-                raise FeatureContractError(f"feature object: tensor {name} [{start}, {start + size}) lies outside "
-                                           f"the object's {src.numel()} bytes")
-            extents.append((start, size, tuple(t["shape"])))
+        extents = _extents(header, dtype, src.numel())
         total = sum(z for _, z, _ in extents)
         i = self._host_slot(total)
         host, parts, at = self.host[i]["buf"], [], 0
@@ -138,6 +136,38 @@ class Staging:
         self.stats["host_bytes"] += total
         self.stats["host_copies"] += 1
         return Staged(key, dtype, parts, total, slot=i)
+
+    def stage_into(self, fill, nbytes: int, key=None) -> tuple[Staged, memoryview]:
+        """The store reads the whole object (`nbytes`, header included) straight into a free host slot: `fill(buf)`
+        writes `buf[:nbytes]` (`StoreClient.get_into`; the slots are registered with the store through
+        `register`). No copy of regen's own. Returns (staged, a view of the object's bytes for its header); then
+        `locate(staged, header)` once the header is checked, or `discard(staged)`."""
+        i = self._host_slot(nbytes)
+        h = self.host[i]
+        try:
+            fill(h["buf"])
+        except BaseException:
+            h["busy"] = False
+            raise
+        self.stats["objects"] += 1
+        self.stats["store_reads_into_slots"] += 1
+        return Staged(key, None, nbytes=nbytes, slot=i), memoryview(h["buf"][:nbytes].numpy())
+
+    def locate(self, staged: Staged, header: dict) -> Staged:
+        """Point `staged` (from `stage_into`) at its tensors by the checked `header`: the span from taps to the end
+        of last_hidden is what goes to the device. Raises FeatureContractError (an extent outside the object)."""
+        h = self.host[staged.slot]
+        staged.dtype = getattr(torch, header["dtype"])
+        extents = _extents(header, staged.dtype, staged.nbytes)  # staged.nbytes: the whole object's, until here
+        staged.base = min(s for s, _, _ in extents)
+        staged.nbytes = max(s + z for s, z, _ in extents) - staged.base
+        staged.parts = [(s - staged.base, z, shape) for s, z, shape in extents]
+        return staged
+
+    def discard(self, staged: Staged) -> None:
+        """A staged object that will not be used (its header refused): its host slot is free again."""
+        if staged.slot is not None and not staged.issued:
+            self.host[staged.slot]["busy"] = False
 
     def _host_slot(self, nbytes: int) -> int:
         """A host slot no object still needs: not holding one waiting for its device copy (or, on CPU, in use by
@@ -154,8 +184,12 @@ class Staging:
             h["event"] = None
         if h["buf"] is None or h["buf"].numel() < nbytes:
             old = 0 if h["buf"] is None else h["buf"].numel()
+            if h["buf"] is not None and self.unregister is not None:
+                self.unregister(h["buf"])
             h["buf"] = None
             h["buf"] = self.ops.pinned(nbytes) if self.ops is not None else torch.empty(nbytes, dtype=torch.uint8)
+            if self.register is not None:
+                self.register(h["buf"])
             if self.ops is not None:
                 self.stats["pinned_bytes"] += nbytes - old
         h["busy"] = True
@@ -183,11 +217,12 @@ class Staging:
             staged.dev = torch.zeros(staged.nbytes, dtype=torch.uint8, device=self.device)
             return
         host = self.host[staged.slot]
+        span = host["buf"][staged.base:staged.base + staged.nbytes]
         if self.ops is None:  # CPU: the host slot is the object's memory until release
-            staged.dev = host["buf"]
+            staged.dev = span
             return
         staged.dev, staged.dev_slot = self._device_buffer(staged)
-        staged.event = self.ops.copy_async(staged.dev[:staged.nbytes], host["buf"][:staged.nbytes])
+        staged.event = self.ops.copy_async(staged.dev[:staged.nbytes], span)
         host["event"], host["busy"] = staged.event, False  # reusable once that copy finished
         self.stats["device_bytes"] += staged.nbytes
         self.stats["device_copies"] += 1
@@ -239,3 +274,23 @@ class Staging:
     def _resident(self, n: int) -> None:
         self.stats["resident"] += n
         self.stats["resident_max"] = max(self.stats["resident_max"], self.stats["resident"])
+
+
+def _extents(header: dict, dtype: torch.dtype, size: int) -> list:
+    """[(offset, nbytes, shape)] of taps and last_hidden in an object of `size` bytes. Raises FeatureContractError
+    when one lies outside it."""
+    out = []
+    for name in ("taps", "last_hidden"):
+        t = header["tensors"][name]
+        n = 1
+        for d in t["shape"]:
+            n *= d
+        start, nbytes = int(t["offset"]), n * dtype.itemsize
+        if start < 0 or start + nbytes > size:
+            raise FeatureContractError(f"feature object: tensor {name} [{start}, {start + nbytes}) lies outside "
+                                       f"the object's {size} bytes")
+        if start % dtype.itemsize:
+            raise FeatureContractError(f"feature object: tensor {name} at offset {start} is not aligned to its "
+                                       f"{dtype.itemsize}-byte {dtype}")
+        out.append((start, nbytes, tuple(t["shape"])))
+    return out
