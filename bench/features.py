@@ -163,6 +163,8 @@ def k3_stream(tokens: int, objects: int, tmp: Path, grad_accum: int = 4) -> dict
                 client.release({"key": (0, mb.index)})  # train_step's release after the backward
         wall = time.perf_counter() - t0
         th.join(30)
+        stats = dict(client.staging.stats)
+        client.close()
         time.sleep(0.2)
         watch.stop_event.set()
         d.stop()
@@ -175,16 +177,16 @@ def k3_stream(tokens: int, objects: int, tmp: Path, grad_accum: int = 4) -> dict
             "read_s": client.stats["read_s"], "wait_s": client.stats["wait_s"],
             # copies per object on the trainer's side: the store's transfer (get_into a registered slot), then
             # regen.train.features.staging's own host copies (0 with get_into; 1 with get_buffer)
-            "copies_per_object": 1 + client.staging.stats["host_copies"] / max(1, client.staging.stats["objects"]),
-            "store_reads_into_slots_per_object": client.staging.stats["store_reads_into_slots"]
-            / max(1, client.staging.stats["objects"]),
-            "host_copies_per_object": client.staging.stats["host_copies"] / max(1, client.staging.stats["objects"]),
-            "host_bytes_copied_per_object": client.staging.stats["host_bytes"]
-            / max(1, client.staging.stats["objects"]),
-            "device_copies_per_object": client.staging.stats["device_copies"] / max(1, client.staging.stats["objects"]),
-            "device_bytes_copied_per_object": client.staging.stats["device_bytes"]
-            / max(1, client.staging.stats["objects"]),
-            "device_resident_objects_max": client.staging.stats["resident_max"]}
+            "copies_per_object": 1 + stats["host_copies"] / max(1, stats["objects"]),
+            "store_reads_into_slots_per_object": stats["store_reads_into_slots"]
+            / max(1, stats["objects"]),
+            "host_copies_per_object": stats["host_copies"] / max(1, stats["objects"]),
+            "host_bytes_copied_per_object": stats["host_bytes"]
+            / max(1, stats["objects"]),
+            "device_copies_per_object": stats["device_copies"] / max(1, stats["objects"]),
+            "device_bytes_copied_per_object": stats["device_bytes"]
+            / max(1, stats["objects"]),
+            "device_resident_objects_max": stats["resident_max"]}
 
 
 def overlap(tokens: int, objects: int, tmp: Path) -> dict:
@@ -250,6 +252,7 @@ def overlap(tokens: int, objects: int, tmp: Path) -> dict:
         compute(taps, 1)
         one = time.perf_counter() - t
         probe.release(staged)
+        probe.close()  # its slots unregistered from the store before they are freed
         iters = max(1, round(read_s / max(one, 1e-6)))
         out = {"device": str(device), "object_bytes": size, "objects": objects, "compute_iters": iters}
         for mode in ("serial", "overlapped"):
@@ -283,6 +286,7 @@ def overlap(tokens: int, objects: int, tmp: Path) -> dict:
                          "device_bytes_per_object": staging.stats["device_bytes"] / objects,
                          "device_resident_objects_max": staging.stats["resident_max"],
                          "host_slots": len(staging.host)}
+            staging.close()
         producer.close()
         trainer.close()
     torch.set_num_threads(threads)

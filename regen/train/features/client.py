@@ -175,3 +175,4 @@ class RemoteFeatures:
             self.staging.release(staged)
         self._queue.clear()
         self._out.clear()
+        self.staging.close()

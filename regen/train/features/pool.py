@@ -409,6 +409,8 @@ class FeaturePool:
                 log.exception("removing this run's feature objects")
         if self.dispatcher is not None:
             self.dispatcher.stop()
+        if self.features is not None:
+            self.features.close()  # its host slots unregistered from the store before the store goes
         if self.store is not None:
             self.store.close()
         if self.master is not None:

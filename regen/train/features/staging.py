@@ -271,6 +271,18 @@ class Staging:
             self.host[staged.slot]["busy"] = False
         staged.dev = None
 
+    def close(self) -> None:
+        """Drop every slot, unregistering the host slots from the store first (a freed buffer left registered would
+        make the store refuse a later one at the same addresses: "overlapped memory region")."""
+        for h in self.host:
+            if h["buf"] is not None and self.unregister is not None:
+                if h["event"] is not None:
+                    self.ops.host_wait(h["event"])
+                self.unregister(h["buf"])
+        self.host.clear()
+        for d in self.dev_slots:
+            d.update(buf=None, owner=None, free=None)
+
     def _resident(self, n: int) -> None:
         self.stats["resident"] += n
         self.stats["resident_max"] = max(self.stats["resident_max"], self.stats["resident"])
