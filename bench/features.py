@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/features.py            # SmolLM2-135M (the local target), MiB..GiB objects
     .venv/bin/python bench/features.py --quick    # the tiny test target, KiB..MiB objects (seconds; in the suite)
+    .venv/bin/python bench/features.py --only k3_stream --only overlap   # some sections
 
 Runs in a private network namespace (only loopback: Mooncake's clients listen on all interfaces), re-executing
 itself there. Sections, all in one run on this machine:
@@ -11,14 +12,19 @@ itself there. Sections, all in one run on this machine:
    baseline is a plain in-memory copy of the same bytes (`bytes(bytearray)`), ratio printed.
 2. k3_stream: objects of Kimi-K3's shape (5 taps + the last hidden state, 7,168 wide, bf16: 84 KiB per token;
    rows of `--k3-tokens` tokens) through the real dispatcher and trainer-side client (`RemoteFeatures`, contract
-   checked) with a budget of three objects: GiB/s, and the store's own resident bytes (master metrics) against
-   the budget.
+   checked), in steps of 4 micro-batches with a budget of three objects: GiB/s, the store's own resident bytes
+   (master metrics) against the budget, and per object the host copies, bytes copied host->device and the most objects on the device.
 3. end_to_end: `regen train` on the same shards and steps, features in process vs through two local producer
    processes: tokens/s of each, their ratio, the data-wait fraction; and each side's capacity measured in that run:
    producer rows/s (per second of a producer's own work) and CPU-s per row, trainer rows/s and CPU-s per row with
    the features already in the store (the loop's time less its wait for producers).
 
-4. value_check: the cost of refusing non-finite feature values (`regen.train.features.contract.check_values`, run
+4. overlap: a step of K3-shaped objects read from the store and staged (`regen.train.features.staging`) with a
+   synthetic compute of about a read's duration on each, serial vs the next object's read overlapped with the
+   current compute (a thread), in the same run: step seconds and their ratio; copies, device bytes and the most
+   objects resident on the device per mode. On CPU (the device is the host) it measures the store's read into a
+   host slot overlapped with compute; on a GPU also the device copy, issued one micro-batch ahead as the trainer does.
+5. value_check: the cost of refusing non-finite feature values (`regen.train.features.contract.check_values`, run
    on every object the trainer reads) on one K3-shaped row of `--k3-tokens` tokens: seconds per object, GiB/s,
    and its share of the time to copy the same bytes out of a buffer.
 
@@ -49,6 +55,7 @@ if str(ROOT) not in sys.path:
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 GiB = 1024 ** 3
+SECTIONS = ("transport", "k3_stream", "overlap", "value_check", "end_to_end")
 
 
 def cpu_s() -> float:
@@ -94,8 +101,9 @@ def transport(sizes: list[int], reps: int, tmp: Path) -> list[dict]:
     return out
 
 
-def k3_stream(tokens: int, objects: int, tmp: Path) -> dict:
-    """K3-shaped objects through the dispatcher and RemoteFeatures, budget 3 objects."""
+def k3_stream(tokens: int, objects: int, tmp: Path, grad_accum: int = 4) -> dict:
+    """K3-shaped objects through the dispatcher and RemoteFeatures, budget 3 objects, fetched in steps of
+    `grad_accum` (4: a step more than the budget holds, each object read out before the next is needed)."""
     from types import SimpleNamespace
 
     import torch
@@ -147,24 +155,146 @@ def k3_stream(tokens: int, objects: int, tmp: Path) -> dict:
         th = threading.Thread(target=produce, daemon=True)
         t0 = time.perf_counter()
         th.start()
-        for mb in mbs:
-            client.fetch([mb])
-            client.features_of({"key": (0, mb.index)})
+        for at in range(0, len(mbs), grad_accum):  # steps of grad_accum micro-batches, as the loop fetches them
+            step = mbs[at:at + grad_accum]
+            client.fetch(step)  # every object out of the store: a step larger than the store's budget
+            for mb in step:
+                client.features_of({"key": (0, mb.index)})
+                client.release({"key": (0, mb.index)})  # train_step's release after the backward
         wall = time.perf_counter() - t0
         th.join(30)
+        stats = dict(client.staging.stats)
+        client.close()
         time.sleep(0.2)
         watch.stop_event.set()
         d.stop()
         producer_store.close()
         trainer.close()
-    return {"tokens_per_row": tokens, "object_bytes": size, "objects": objects, "budget_bytes": budget,
+    return {"tokens_per_row": tokens, "object_bytes": size, "objects": objects, "grad_accum": grad_accum,
+            "budget_bytes": budget,
             "gib_per_s": objects * size / GiB / wall, "store_resident_bytes_max": watch.max_allocated,
             "resident_within_budget": watch.max_allocated <= budget, "store_samples": len(watch.samples),
             "read_s": client.stats["read_s"], "wait_s": client.stats["wait_s"],
-            # copies per object on the trainer's side: the store's get_buffer, then regen.train.features.staging's
-            "copies_per_object": 1 + client.staging.stats["host_copies"] / max(1, client.staging.stats["objects"]),
-            "host_bytes_copied_per_object": client.staging.stats["host_bytes"] / max(1, client.staging.stats["objects"]),
-            "device_bytes_copied_per_object": client.staging.stats["device_bytes"] / max(1, client.staging.stats["objects"])}
+            # copies per object on the trainer's side: the store's transfer (get_into a registered slot), then
+            # regen.train.features.staging's own host copies (0 with get_into; 1 with get_buffer)
+            "copies_per_object": 1 + stats["host_copies"] / max(1, stats["objects"]),
+            "store_reads_into_slots_per_object": stats["store_reads_into_slots"]
+            / max(1, stats["objects"]),
+            "host_copies_per_object": stats["host_copies"] / max(1, stats["objects"]),
+            "host_bytes_copied_per_object": stats["host_bytes"]
+            / max(1, stats["objects"]),
+            "device_copies_per_object": stats["device_copies"] / max(1, stats["objects"]),
+            "device_bytes_copied_per_object": stats["device_bytes"]
+            / max(1, stats["objects"]),
+            "device_resident_objects_max": stats["resident_max"]}
+
+
+def overlap(tokens: int, objects: int, tmp: Path) -> dict:
+    """One step of `objects` micro-batches, each a K3-shaped object read from a Mooncake store and staged as
+    `RemoteFeatures.fetch` does (`get_into` a registered host slot, header, locate; CUDA: the device copy), then a
+    synthetic compute of about the read's duration on its features, then released. Serial: read i, compute i.
+    Overlapped: a thread reads and stages i+1 while i computes. Both in this run, on the same objects; ratio =
+    overlapped / serial step time (0.5 would be a perfect overlap of equal halves). On CPU the device is the
+    host: what overlaps is the store's read with compute, which the trainer does not do yet (it reads a step's
+    objects before the step); on a GPU the copy to the device also overlaps, as the trainer does it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    from regen.train.features.contract import FeatureSpec, encode, make_header, object_nbytes, read_header
+    from regen.train.features.staging import Staging
+    from regen.train.features.store import MooncakeMaster, StoreClient
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    spec = FeatureSpec("regen/bench-k3", (7, 31, 47, 63, 87), "attn_res", "bfloat16", 7168, 93, "k3-shape")
+    size = object_nbytes(1, tokens, spec)
+    ids = torch.full((1, tokens), 5, dtype=torch.long)
+    h = make_header(spec, epoch=0, index=0, attempt=0, sample_ids=["k3"], input_ids=ids,
+                    attention_mask=torch.ones(1, tokens, dtype=torch.bool), producer={"id": "p", "engine": "bench"},
+                    stream_reading="bench")
+    parts, n = encode(h, torch.randn(1, tokens, 5 * 7168).to(torch.bfloat16),
+                      torch.randn(1, tokens, 7168).to(torch.bfloat16))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the compute on one core, the read on the other
+    w = torch.randn(1024, 1024, device=device)
+    with MooncakeMaster(tmp / "master-overlap.log") as master:
+        trainer = StoreClient(master.address, segment_bytes=max(16 << 20, (objects + 1) * size),
+                              local_buffer_bytes=max(64 << 20, 3 * size))
+        producer = StoreClient(master.address, segment_bytes=0, local_buffer_bytes=max(64 << 20, 2 * size))
+        keys = [f"bench/overlap/{i}" for i in range(objects)]
+        for k in keys:
+            producer.put(k, parts, n, preferred_segment=trainer.segment)
+
+        def read(i, staging):  # as RemoteFeatures.fetch: get_into a registered host slot, header, locate
+            t = time.perf_counter()
+            staged, view = staging.stage_into(lambda buf: trainer.get_into(keys[i], buf, n), n, i)
+            staging.locate(staged, read_header(view))
+            del view
+            return staged, time.perf_counter() - t
+
+        def new_staging():
+            return Staging(device, register=trainer.register, unregister=trainer.unregister)
+
+        def sync():
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+
+        def compute(taps, iters):
+            x = taps[0, :, :1024].float()
+            for _ in range(iters):
+                x = torch.tanh(x @ w)
+            sync()
+
+        probe = new_staging()
+        staged, read_s = read(0, probe)
+        taps, _ = probe.ready(staged)
+        t = time.perf_counter()
+        compute(taps, 1)
+        one = time.perf_counter() - t
+        probe.release(staged)
+        probe.close()  # its slots unregistered from the store before they are freed
+        iters = max(1, round(read_s / max(one, 1e-6)))
+        out = {"device": str(device), "object_bytes": size, "objects": objects, "compute_iters": iters}
+        for mode in ("serial", "overlapped"):
+            staging = new_staging()
+            reads, computes = [], []
+            t0 = time.perf_counter()
+            if mode == "serial":
+                for i in range(objects):
+                    staged, r = read(i, staging)
+                    reads.append(r)
+                    t = time.perf_counter()
+                    compute(staging.ready(staged)[0], iters)
+                    computes.append(time.perf_counter() - t)
+                    staging.release(staged)
+            else:
+                with ThreadPoolExecutor(1) as ex:
+                    nxt = ex.submit(read, 0, staging)
+                    for i in range(objects):
+                        staged, r = nxt.result()
+                        reads.append(r)
+                        if i + 1 < objects:
+                            nxt = ex.submit(read, i + 1, staging)
+                        t = time.perf_counter()
+                        compute(staging.ready(staged)[0], iters)
+                        computes.append(time.perf_counter() - t)
+                        staging.release(staged)
+            out[mode] = {"step_s": time.perf_counter() - t0, "read_s_per_object": sum(reads) / objects,
+                         "compute_s_per_object": sum(computes) / objects,
+                         "host_copies_per_object": staging.stats["host_copies"] / objects,
+                         "store_reads_into_slots_per_object": staging.stats["store_reads_into_slots"] / objects,
+                         "device_bytes_per_object": staging.stats["device_bytes"] / objects,
+                         "device_resident_objects_max": staging.stats["resident_max"],
+                         "host_slots": len(staging.host)}
+            staging.close()
+        producer.close()
+        trainer.close()
+    torch.set_num_threads(threads)
+    out["overlapped_vs_serial"] = out["overlapped"]["step_s"] / out["serial"]["step_s"]
+    out["measures"] = ("the store's read into a host slot overlapped with compute (CPU: the device is the host)"
+                       if device.type == "cpu" else
+                       "the store's read into a pinned host slot + the device copy overlapped with compute")
+    return out
 
 
 def value_check(tokens: int, reps: int = 5) -> dict:
@@ -227,6 +357,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="the tiny test target and small objects (seconds)")
     ap.add_argument("--k3-tokens", type=int, default=None, help="tokens per K3-shaped row (default 4096; quick 64)")
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps of the end-to-end runs")
+    ap.add_argument("--only", action="append", choices=SECTIONS, help="run only this section (repeatable)")
     args = ap.parse_args(argv)
     from regen.train.features.netns import ENV_FLAG, loopback_only
 
@@ -250,7 +381,8 @@ def main(argv=None) -> int:
 
         if args.quick:
             target = mod.tiny_target(tmp / "tiny")
-            sizes, reps, k3_tokens, k3_objects = [256 << 10, 1 << 20, 4 << 20], 5, args.k3_tokens or 64, 6
+            sizes, reps, k3_tokens, k3_objects = [256 << 10, 1 << 20, 4 << 20], 5, args.k3_tokens or 64, 8
+            k3_overlap = 4
             steps, rows, length = args.steps or 6, 24, 64
             train = {"target_layer_ids": [0, 1, 2], "num_draft_layers": 1, "markov_rank": 16, "num_anchors": 8,
                      "max_len": 64, "max_tokens": 256, "max_batch": 4}
@@ -259,6 +391,7 @@ def main(argv=None) -> int:
             if not (target / "config.json").exists():
                 raise SystemExit("bench/features.py: data/models/smollm2-135m is missing: run `bash scripts/setup.sh`")
             sizes, reps, k3_tokens, k3_objects = [1 << 20, 16 << 20, 64 << 20, 256 << 20], 5, args.k3_tokens or 4096, 12
+            k3_overlap = 4
             steps, rows, length = args.steps or 40, 160, 192
             local = yaml.safe_load((ROOT / "data" / "profiles" / "local.yaml").read_text())["train"]
             train = {k: local[k] for k in ("target_layer_ids", "num_draft_layers", "markov_rank", "num_anchors",
@@ -269,28 +402,49 @@ def main(argv=None) -> int:
                       "min_loss_tokens": 4, "shuffle_buffer": 16, "bucket_window": 16, "checkpoint_every": 0,
                       "log_every": 1, "seed": 0})
         (tmp / "e2e.yaml").write_text(yaml.safe_dump({"name": "bench-features", "train": train}))
-        result = {"machine": _machine(), "quick": args.quick,
-                  "transport": transport(sizes, reps, tmp),
-                  "k3_stream": k3_stream(k3_tokens, k3_objects, tmp),
-                  "value_check": value_check(k3_tokens),
-                  "end_to_end": end_to_end(target, steps, rows, length, tmp,
-                                           ["train.producers.num_local=2", "train.producers.local_threads=1"])}
+        sections = {"transport": lambda: transport(sizes, reps, tmp),
+                    "k3_stream": lambda: k3_stream(k3_tokens, k3_objects, tmp),
+                    "overlap": lambda: overlap(k3_tokens, k3_overlap, tmp),
+                    "value_check": lambda: value_check(k3_tokens),
+                    "end_to_end": lambda: end_to_end(target, steps, rows, length, tmp,
+                                                     ["train.producers.num_local=2",
+                                                      "train.producers.local_threads=1"])}
+        result = {"machine": _machine(), "quick": args.quick}
+        for name, run in sections.items():
+            if not args.only or name in args.only:
+                result[name] = run()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print(json.dumps(result, indent=2))
-    e = result["end_to_end"]
-    print(f"end to end: producers {e['producers']['tokens_per_s']:.0f} tokens/s vs in process "
-          f"{e['in_process']['tokens_per_s']:.0f} = {e['producers_vs_in_process_tokens_per_s']:.2f}x; data wait "
-          f"{100 * e['producers']['data_wait_fraction']:.0f}% ({100 * e['producers']['data_wait_fraction_after_first']:.0f}% "
-          f"after the producers' start-up); trainer can take {e['producers']['trainer_rows_per_s']:.2f} "
-          f"rows/s, producers give {e['producers']['producer_rows_per_s'] or 0:.2f} rows/s", file=sys.stderr)
-    k = result["k3_stream"]
-    print(f"K3-shaped rows of {k['tokens_per_row']} tokens ({k['object_bytes'] / GiB:.3f} GiB): {k['gib_per_s']:.2f} "
-          f"GiB/s, store resident max {k['store_resident_bytes_max'] / GiB:.3f} GiB of a "
-          f"{k['budget_bytes'] / GiB:.3f} GiB budget", file=sys.stderr)
-    v = result["value_check"]
-    print(f"non-finite value check of a K3-shaped row of {v['tokens_per_row']} tokens: {v['check_s'] * 1e3:.1f} ms "
-          f"({v['check_gib_per_s']:.2f} GiB/s, {v['check_vs_copy']:.2f}x a copy of the same bytes)", file=sys.stderr)
+    if "end_to_end" in result:
+        e = result["end_to_end"]
+        print(f"end to end: producers {e['producers']['tokens_per_s']:.0f} tokens/s vs in process "
+              f"{e['in_process']['tokens_per_s']:.0f} = {e['producers_vs_in_process_tokens_per_s']:.2f}x; data wait "
+              f"{100 * e['producers']['data_wait_fraction']:.0f}% "
+              f"({100 * e['producers']['data_wait_fraction_after_first']:.0f}% after the producers' start-up); "
+              f"trainer can take {e['producers']['trainer_rows_per_s']:.2f} rows/s, producers give "
+              f"{e['producers']['producer_rows_per_s'] or 0:.2f} rows/s", file=sys.stderr)
+    if "k3_stream" in result:
+        k = result["k3_stream"]
+        print(f"K3-shaped rows of {k['tokens_per_row']} tokens ({k['object_bytes'] / GiB:.3f} GiB): "
+              f"{k['gib_per_s']:.2f} GiB/s, store resident max {k['store_resident_bytes_max'] / GiB:.3f} GiB of a "
+              f"{k['budget_bytes'] / GiB:.3f} GiB budget", file=sys.stderr)
+        print(f"  per object: the store's transfer into a host slot ({k['store_reads_into_slots_per_object']:.0f}) "
+              f"+ {k['host_copies_per_object']:.0f} host copy after it, "
+              f"{k['device_bytes_copied_per_object'] / GiB:.3f} GiB host->device "
+              f"({k['device_copies_per_object']:.0f} copies; 0 on CPU: the device is the host), "
+              f"at most {k['device_resident_objects_max']} object(s) resident on the device", file=sys.stderr)
+    if "overlap" in result:
+        o = result["overlap"]
+        print(f"overlap, a step of {o['objects']} K3-shaped objects ({o['measures']}): serial "
+              f"{o['serial']['step_s']:.3f} s, overlapped {o['overlapped']['step_s']:.3f} s = "
+              f"{o['overlapped_vs_serial']:.2f}x (read {o['serial']['read_s_per_object']:.3f} s, compute "
+              f"{o['serial']['compute_s_per_object']:.3f} s per object, serial)", file=sys.stderr)
+    if "value_check" in result:
+        v = result["value_check"]
+        print(f"non-finite value check of a K3-shaped row of {v['tokens_per_row']} tokens: "
+              f"{v['check_s'] * 1e3:.1f} ms ({v['check_gib_per_s']:.2f} GiB/s, {v['check_vs_copy']:.2f}x a copy of "
+              "the same bytes)", file=sys.stderr)
     return 0
 
 

@@ -26,8 +26,9 @@ Formulas (printed with the figures):
   server-hours    = output_tokens / server_output_tokens_per_s / 3600; wall hours = server-hours / servers
   shard bytes     = shard tokens x shard_bytes_per_token
   memory per GPU, one optimizer step's peak (FSDP2 over W ranks): weights, all-gathered compute copies, gradients
-    (held through accumulation), AdamW state, resident feature objects, saved activations and the fused loss's
-    buffers, each term's formula in `regen.train.memory` and printed beside its figure by `regen plan`
+    (held through accumulation), AdamW state, resident feature objects (2 with producers), saved activations and
+    the fused loss's buffers, each term's formula in `regen.train.memory` and printed beside its figure by
+    `regen plan`; apart, the host's pinned feature staging per GPU (a step's objects)
   training FLOPs  = 6 x P_trainable x D + 2 x N_target_active x D (draft forward+backward per token, Kaplan et
                     al. 2020; target forward only), D = training tokens = shard tokens x train.epochs
   training time   = FLOPs / (W x gpu_peak_tflops x 1e12 x mfu)
@@ -304,11 +305,13 @@ def draft_plan(profile: Profile, a, shard_tokens: float) -> dict:
     Q = cfg.num_anchors * cfg.block_size
     v_out = cfg.draft_vocab_size or cfg.vocab_size
     taps = len(cfg.target_layer_ids)
-    from regen.train.memory import step_memory_bytes
+    from regen.train.features.staging import DEVICE_RESIDENT_OBJECTS
+    from regen.train.memory import host_staging_bytes, step_memory_bytes
 
     p_layer = sum(p.numel() for p in model.layers[0].parameters()) if len(model.layers) else 0
     producers = t.features == "producers"
-    resident = t.grad_accum if producers else 1  # the producers' client holds a step's objects on the device
+    # the producers' client: the micro-batch computing and the next one's copy (regen.train.features.staging)
+    resident = DEVICE_RESIDENT_OBJECTS if producers else 1
     c = 4 if t.dtype == "float32" else 2
     mem = step_memory_bytes(cfg, tokens=T, world_size=W, grad_accum=t.grad_accum, p_trainable=p_train,
                             p_frozen=p_frozen, p_layer=p_layer, resident_feature_objects=resident, c=c)
@@ -320,7 +323,8 @@ def draft_plan(profile: Profile, a, shard_tokens: float) -> dict:
                                                    else ""),
         "optimizer": f"8 B x {p_train:,} / {W} (AdamW, 2 fp32 moments)",
         "features": f"{resident} object(s) x {T} x ({taps} + 1) x {cfg.target_hidden_size} x 2 B"
-                    + (" (a step's objects, fetched before compute)" if producers else ""),
+                    + (" (the micro-batch computing + the next one's copy; a step's objects wait in pinned host "
+                       "memory)" if producers else ""),
         "activations": (f"saved for backward at S={T}, Q={Q}, L={T + Q}: context, {cfg.num_hidden_layers} layers "
                         "(incl. the context-side K/V of every layer), memory-efficient attention "
                         "(regen/train/memory.py, checked against CPU measurement)"),
@@ -339,6 +343,11 @@ def draft_plan(profile: Profile, a, shard_tokens: float) -> dict:
                   "num_anchors": cfg.num_anchors, "block_size": cfg.block_size, "output_vocab": v_out},
         "memory_per_gpu_gib": {k: round(v / GiB, 2) for k, v in mem.items()} | {"total": round(sum(mem.values()) / GiB, 2)},
         "memory_formulas": formulas, "micro_batch_tokens": T, "world_size": W,
+        "host_memory_per_gpu_gib": {"feature_staging": round(host_staging_bytes(
+            cfg, tokens=T, grad_accum=t.grad_accum) / GiB, 2) if producers else 0.0},
+        "host_memory_formulas": {"feature_staging": (
+            f"{t.grad_accum} pinned slot(s) x {T} x ({taps} + 1) x {cfg.target_hidden_size} x 2 B (a step's objects, "
+            "read out of the store before its first forward)") if producers else "in process: none"},
         "training_tokens": int(D), "epochs": epochs, "training_flops": flops,
         "flops_formula": (f"6 x {p_train:,} x {int(D):,}" + (
             f" (the target's forward, 2 x {int(n_target):,} x {int(D):,} = {target_flops:.3e}, runs on the "
@@ -555,6 +564,8 @@ def print_plan(plan: dict) -> None:
                   d["target_config"]]]
         rows += [[f"memory/GPU {k}", _gib(mem[k]), d["memory_formulas"][k]] for k in d["memory_formulas"]]
         rows += [["memory/GPU total", _gib(mem["total"]), f"W={d['world_size']}, T={d['micro_batch_tokens']}"],
+                 ["host/GPU feature slots", _gib(d["host_memory_per_gpu_gib"]["feature_staging"]),
+                  d["host_memory_formulas"]["feature_staging"]],
                  ["training FLOPs", f"{d['training_flops']:.3e}", d["flops_formula"]],
                  ["training time", f"{d['training_hours']:,} h", d["time_formula"]]]
     elif d:

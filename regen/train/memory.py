@@ -21,6 +21,10 @@ I the MLP width, Vd output vocabulary, r the Markov rank, c compute bytes (2 for
 
 The fused vocabulary loss keeps fp32 gradients g_h Q·H·4, g_e Q·r·4, g_w2 Vd·r·4 (`regen.train.fused_loss`,
 upper bound: every slot supervised) and a chunk's transients, about six [2^25] fp32 buffers.
+Features: with producers (`train.features: producers`) at most `DEVICE_RESIDENT_OBJECTS` (2) objects are on the
+device (the micro-batch computing and the next one's copy; `regen.train.features.staging`); a step's grad_accum
+objects wait in pinned host slots, counted apart as host memory (`host_staging_bytes`). In process: the one
+micro-batch's features the target just computed.
 Not counted: the CUDA context, NCCL and cuBLAS workspaces, allocator fragmentation with varying row lengths
 (a few GB), the target's own memory when it runs in process.
 """
@@ -71,11 +75,11 @@ def step_memory_bytes(cfg, *, tokens: int, world_size: int, grad_accum: int, p_t
     master weights 4·P_t/W; frozen embed/lm_head frozen_bytes·P_f (replicated); unsharded compute copies of the
     root group and two layers (FSDP2 prefetch) c·(P_t − n_layers·P_layer + 2·P_layer); gradients 4·P_t/W, plus
     4·P_t unsharded fp32 held through accumulation without reduce-scatter when grad_accum > 1
-    (`set_requires_gradient_sync(False)`); AdamW 8·P_t/W; features resident_feature_objects x tokens·(T + 1)·Ht
-    x feature_bytes; activations `activation_bytes(cfg, tokens)`; the fused loss's saved gradients and chunk.
+    (`set_requires_gradient_sync(False)`); AdamW 8·P_t/W; features resident_feature_objects x
+    `feature_object_bytes` (producers: `DEVICE_RESIDENT_OBJECTS`; in process: 1); activations
+    `activation_bytes(cfg, tokens)`; the fused loss's saved gradients and chunk.
     """
     W, P = world_size, p_trainable
-    T, Ht = len(cfg.target_layer_ids), cfg.target_hidden_size
     Q = cfg.num_anchors * cfg.block_size
     Vd = cfg.draft_vocab_size or cfg.vocab_size
     r = cfg.markov_rank
@@ -84,7 +88,20 @@ def step_memory_bytes(cfg, *, tokens: int, world_size: int, grad_accum: int, p_t
         "unsharded_params": c * (P - cfg.num_hidden_layers * p_layer + 2 * p_layer),
         "gradients": 4 * P / W + (4 * P if grad_accum > 1 else 0),
         "optimizer": 8 * P / W,
-        "features": resident_feature_objects * tokens * (T + 1) * Ht * feature_bytes,
+        "features": resident_feature_objects * feature_object_bytes(cfg, tokens, feature_bytes),
         "activations": activation_bytes(cfg, tokens, c=c)["total"],
         "loss": Q * cfg.hidden_size * 4 + Q * r * 4 + Vd * r * 4 + 6 * LOSS_CHUNK_LOGITS * 4,
     }
+
+
+def feature_object_bytes(cfg, tokens: int, feature_bytes: int = 2) -> int:
+    """Bytes of one micro-batch's feature object of `tokens` tokens: tokens x (T + 1) x Ht x feature_bytes
+    (T taps + the last hidden state, `regen.train.features.contract`; the header's few KiB left out)."""
+    return tokens * (len(cfg.target_layer_ids) + 1) * cfg.target_hidden_size * feature_bytes
+
+
+def host_staging_bytes(cfg, *, tokens: int, grad_accum: int, feature_bytes: int = 2) -> int:
+    """Pinned host memory per rank of the producers' client: one reused host slot per micro-batch of a step (every
+    object of a step is read out of the store before its first forward, so failures are agreed first), each
+    as large as the largest object: grad_accum x `feature_object_bytes` (`regen.train.features.staging`)."""
+    return grad_accum * feature_object_bytes(cfg, tokens, feature_bytes)

@@ -19,7 +19,9 @@ def train_step(model, target, opt, microbatches, *, loss_weights=(0.1, 0.9, 1.0)
     caller stops, `regen.train.guard`) and `bad_microbatches` (this rank's indices with a non-finite loss).
     Device synchronisations: two per step (the loss weights, for the control-plane all-reduce, and the
     finiteness flags before the optimizer step); the metric sums and the grad norm stay on the training device
-    until `reduce_metrics` reads them at a log step.
+    until `reduce_metrics` reads them at a log step. Each micro-batch's features are released to `target`
+    (`target.release(batch)`, when it has one) after its backward: remote features keep at most two objects on
+    the device (`regen.train.features.staging`).
     """
     import torch
 
@@ -43,6 +45,7 @@ def train_step(model, target, opt, microbatches, *, loss_weights=(0.1, 0.9, 1.0)
     dev = microbatches[0][0]["input_ids"].device if microbatches else None
     sums = torch.zeros(6, dtype=torch.float64, device=dev)  # loss, ce, l1, conf, tau_prob·blocks, blocks (supervised)
     t_target = 0.0
+    release = getattr(target, "release", None) or (lambda batch: None)  # remote features: at most 2 on the device
     loss_ok: list = []  # per micro-batch: a bool[1] device tensor, the loss is finite
     for i, (batch, anchors, keep) in enumerate(microbatches):
         set_gradient_sync(model, i == len(microbatches) - 1)
@@ -56,6 +59,8 @@ def train_step(model, target, opt, microbatches, *, loss_weights=(0.1, 0.9, 1.0)
         else:
             scale = global_w[i] / step_w if step_w > 0 else 0.0
         (loss * scale).backward()
+        del features  # the backward freed what autograd saved: the features' device memory can take the next
+        release(batch)
         # dspark_loss: loss = Σ_rank w·L / Σ_ranks w · world; metrics ce/l1/conf = that / world (device tensors)
         nsb = m["num_supervised_blocks"].double()
         sums += torch.stack([m["loss"].double() * (scale / world), m["ce"].double() * scale,

@@ -1,4 +1,5 @@
-"""Smoke test of bench/features.py --quick: every section runs and prints its figures (not asserted as times)."""
+"""Smoke test of bench/features.py --quick: every section runs and prints its figures (not asserted as times);
+the counts it prints (copies per object, objects resident on the device) are asserted."""
 from __future__ import annotations
 
 import json
@@ -23,6 +24,16 @@ def test_bench_features_quick_prints_each_section():
                for t in out["transport"])
     k = out["k3_stream"]
     assert k["object_bytes"] > 64 * 6 * 7168 * 2 and k["store_samples"] > 0 and k["resident_within_budget"]
+    # steps of 4 through a budget of 3 objects: each read by the store into a host slot, no copy after it, at most
+    # 2 on the device (CPU: no device copy)
+    assert k["grad_accum"] == 4 and k["store_reads_into_slots_per_object"] == 1 and k["host_copies_per_object"] == 0
+    assert k["device_resident_objects_max"] == 2
+    o = out["overlap"]
+    assert o["objects"] == 4 and o["serial"]["step_s"] > 0 and o["overlapped"]["step_s"] > 0
+    assert o["overlapped_vs_serial"] > 0 and "overlapped with compute" in o["measures"]
+    assert o["serial"]["device_resident_objects_max"] == o["overlapped"]["device_resident_objects_max"] == 1
+    assert o["serial"]["host_copies_per_object"] == 0 and o["serial"]["store_reads_into_slots_per_object"] == 1
+    assert "overlap, a step of 4" in proc.stderr and "at most 2 object(s) resident" in proc.stderr
     e = out["end_to_end"]
     assert e["producers"]["loss_last"] == e["in_process"]["loss_last"]  # the same training, two feature paths
     assert e["producers_vs_in_process_tokens_per_s"] > 0 and 0 <= e["producers"]["data_wait_fraction"] <= 1

@@ -124,17 +124,216 @@ def test_non_finite_feature_values_are_a_contract_breach(tensor, value, row, pos
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_staging_hands_the_decoded_tensors_with_one_host_copy(dtype):
     """The trainer's path into the device (`regen.train.features.staging`): on CPU one copy out of the store's
-    buffer, equal to `decode`; the buffer may be released right after; a cut object is refused."""
+    buffer into a host slot, equal to `decode`; the buffer may be released right after; the slot is not reused
+    while the loss holds its tensors; a cut object is refused."""
     from regen.train.features.staging import Staging
 
     spec = FeatureSpec("regen/test", (1, 3, 5), "prefix", dtype, 16, 8, "rev-a")
     blob, n, ids, mask, taps, last = _object(spec)
     buf = bytearray(blob)
     staging = Staging("cpu")
-    t, h = staging.to_device(buf, read_header(blob))
+    first = staging.stage(buf, read_header(blob), (1, 4))
     buf[:] = bytes(len(buf))  # the store's buffer reused for the next object
-    assert torch.equal(t, taps) and torch.equal(h, last)
-    assert staging.stats == {"objects": 1, "host_bytes": taps.nbytes + last.nbytes, "device_bytes": 0,
-                             "host_copies": 1, "pinned_bytes": 0}
+    second = staging.stage(bytearray(blob), read_header(blob), (1, 5))
+    t, h = staging.ready(first)
+    assert torch.equal(t, taps) and torch.equal(h, last) and first.slot != second.slot
+    staging.release(first)
+    third = staging.stage(bytearray(blob), read_header(blob), (1, 6))  # the released slot, not a new one
+    assert third.slot == first.slot and len(staging.host) == 2
+    assert staging.stats == {"objects": 3, "host_bytes": 3 * (taps.nbytes + last.nbytes), "host_copies": 3,
+                             "store_reads_into_slots": 0, "device_bytes": 0, "device_copies": 0, "pinned_bytes": 0, "resident": 0,
+                             "resident_max": 1, "extra_device_buffers": 0}
     with pytest.raises(FeatureContractError, match="lies outside"):
-        staging.to_device(bytearray(blob[:-8]), read_header(blob))
+        staging.stage(bytearray(blob[:-8]), read_header(blob))
+
+
+class RecordingOps:
+    """`staging._CudaOps` on CPU: the same buffers and copies, each call recorded in order (the events are names)."""
+
+    def __init__(self):
+        self.calls, self.device_buffers = [], 0
+
+    def pinned(self, nbytes):
+        self.calls.append(("pinned", nbytes))
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def device_buffer(self, nbytes):
+        self.device_buffers += 1
+        self.calls.append(("device_buffer", nbytes))
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def copy_async(self, dst, src):
+        dst.copy_(src)
+        self.calls.append(("copy", f"copied{len(self.calls)}"))
+        return self.calls[-1][1]
+
+    def side_wait(self, event):
+        self.calls.append(("side_wait", event))
+
+    def train_wait(self, event, dev):
+        self.calls.append(("train_wait", event))
+
+    def train_event(self):
+        self.calls.append(("train_event", f"released{len(self.calls)}"))
+        return self.calls[-1][1]
+
+    def host_wait(self, event):
+        self.calls.append(("host_wait", event))
+
+    def on_copy_stream(self):
+        import contextlib
+
+        self.calls.append(("check_on_copy_stream", None))
+        return contextlib.nullcontext()
+
+
+def test_the_cuda_branch_copies_one_ahead_into_two_device_slots_in_stream_order(monkeypatch):
+    """The CUDA branch of `Staging` driven by the real `RemoteFeatures` (a dispatcher answering ready, a dict
+    store) over two steps of 4 micro-batches, released as `train_step` releases them, its CUDA calls recorded:
+    every object's values arrive; two device buffers serve all 8; the copy into a slot waits (side stream) for the
+    training stream's release of its last object; the training stream waits for each copy before it is handed
+    over; the value check runs on the copy stream; the next copy is issued before the current object is returned
+    for compute; a host slot is reused only after its copy finished. A caller that never releases gets a fresh
+    buffer, never an overwrite."""
+    from types import SimpleNamespace
+
+    from regen.train.features import client as client_mod
+    from regen.train.features.client import RemoteFeatures
+    from regen.train.features.staging import DEVICE_RESIDENT_OBJECTS, Staging
+
+    ops = RecordingOps()
+    objects, tensors, mbs = {}, {}, []
+    for step in range(3):
+        for i in range(4):
+            ids, mask = _batch(seed=4 * step + i)
+            h = make_header(SPEC, epoch=step, index=i, attempt=0, sample_ids=["a", "b"], input_ids=ids,
+                            attention_mask=mask, producer=PRODUCER, stream_reading="test")
+            tensors[(step, i)] = (torch.randn(2, 7, 3 * 16), torch.randn(2, 7, 16))
+            parts, _ = encode(h, *tensors[(step, i)])
+            objects[str((step, i))] = b"".join(bytes(p) for p in parts)
+            mbs.append(SimpleNamespace(epoch=step, index=i, input_ids=ids, attention_mask=mask, sample_ids=["a", "b"]))
+
+    def post(url, path, body, timeout_s=None):
+        key = str((body["epoch"], body["index"]))
+        return {"status": "ready", "key": key, "nbytes": len(objects[key])} if path == "/wait" else {}
+
+    monkeypatch.setattr(client_mod, "post", post)
+    store = SimpleNamespace(get=lambda key: (memoryview(objects[key]), None))
+    remote = RemoteFeatures("http://test", store, SPEC, SimpleNamespace(device="cpu"), "cpu")
+    remote.staging = staging = Staging("cpu", ops=ops)
+    handed = []  # index into ops.calls when each object was returned for compute
+    for step in range(2):
+        remote.fetch(mbs[4 * step:4 * step + 4])
+        for i in range(4):
+            t, h = remote.features_of({"key": (step, i)})
+            handed.append(len(ops.calls))
+            assert torch.equal(t, tensors[(step, i)][0]) and torch.equal(h, tensors[(step, i)][1])
+            assert staging.stats["resident"] <= DEVICE_RESIDENT_OBJECTS
+            remote.release({"key": (step, i)})
+    assert ops.device_buffers == DEVICE_RESIDENT_OBJECTS == staging.stats["resident_max"]
+    assert staging.stats["device_copies"] == 8 and staging.stats["host_copies"] == 8
+    copies = [c for c in ops.calls if c[0] == "copy"]
+    for k in range(2, 8):  # object k goes into object k-2's slot, after the training stream released k-2
+        at = ops.calls.index(copies[k])
+        waits = [c for c in ops.calls[:at] if c[0] == "side_wait"]
+        released = [c[1] for c in ops.calls[:at] if c[0] == "train_event"]
+        assert waits and waits[-1][1] == released[k - 2]
+        assert ops.calls[at - 1][0] == "side_wait"  # nothing between the wait and the copy it orders
+    for k in range(8):
+        hand = ops.calls[:handed[k]]
+        waited = [i for i, c in enumerate(hand) if c == ("train_wait", copies[k][1])]
+        checked = [i for i, c in enumerate(hand) if c[0] == "check_on_copy_stream"]
+        assert waited and checked and ops.calls.index(copies[k]) < waited[0] < checked[-1]
+        if k % 4 != 3:  # within a step, the next copy is issued before this object goes to compute
+            assert ops.calls.index(copies[k + 1]) < handed[k]
+    # the second step's stage reused the host slots only after their copies finished
+    host_waits = [c[1] for c in ops.calls if c[0] == "host_wait"]
+    assert sorted(host_waits) == sorted(c[1] for c in copies[:4])
+    assert len(staging.host) == 4 and sum(1 for c in ops.calls if c[0] == "pinned") == 4
+
+    remote.fetch(mbs[8:11])
+    views = [remote.features_of({"key": (2, i)}) for i in range(3)]  # never released: no slot is overwritten
+    assert staging.stats["extra_device_buffers"] == 1 and staging.stats["resident_max"] == 3
+    assert all(torch.equal(v[0], tensors[(2, i)][0]) for i, v in enumerate(views))
+
+
+class IntoStore:
+    """A store that reads into registered buffers (`StoreClient.get_into`'s contract) from a dict of objects."""
+
+    def __init__(self, objects):
+        self.objects, self.registered = objects, set()
+
+    def register(self, buf):
+        self.registered.add(buf.data_ptr())
+
+    def unregister(self, buf):
+        self.registered.discard(buf.data_ptr())
+
+    def size(self, key):
+        return len(self.objects[key])
+
+    def get_into(self, key, buf, nbytes):
+        assert buf.data_ptr() in self.registered and len(self.objects[key]) == nbytes <= buf.numel()
+        buf[:nbytes].copy_(torch.frombuffer(bytearray(self.objects[key]), dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("store_kind", ["get", "get_into"])
+def test_remote_features_zero_a_failed_micro_batch_and_refuse_non_finite_values_when_handed_over(monkeypatch,
+                                                                                                 store_kind):
+    """Through `RemoteFeatures` on CPU, with a store read through its buffer (`get`: one copy after it) or straight
+    into registered host slots (`get_into`: none): a micro-batch failed on every attempt is a failure of `fetch`
+    (known before the step) and is handed over as zeros of its shapes, counted resident like any object; an object
+    holding a NaN is refused with the contract error when it is handed over (its values are checked on the
+    device); an object of another micro-batch is refused in `fetch` and its slot is free again."""
+    from types import SimpleNamespace
+
+    from regen.train.features import client as client_mod
+    from regen.train.features.client import RemoteFeatures
+
+    mbs, objects = [], {}
+    for i in range(3):
+        ids, mask = _batch(seed=i)
+        h = make_header(SPEC, epoch=0, index=i, attempt=0, sample_ids=["a", "b"], input_ids=ids, attention_mask=mask,
+                        producer=PRODUCER, stream_reading="test")
+        taps, last = torch.randn(2, 7, 3 * 16), torch.randn(2, 7, 16)
+        if i == 2:
+            last[1, 3, 5] = float("nan")
+        objects[str((0, i))] = b"".join(bytes(p) for p in encode(h, taps, last)[0])
+        mbs.append(SimpleNamespace(epoch=0, index=i, input_ids=ids, attention_mask=mask, sample_ids=["a", "b"]))
+
+    def post(url, path, body, timeout_s=None):
+        key = str((body["epoch"], body["index"]))
+        if path != "/wait":
+            return {}
+        if body["index"] == 1:
+            return {"status": "failed", "reason": "producer crashed 3 times"}
+        key = str((0, 0)) if body["index"] == 5 else key
+        return {"status": "ready", "key": key, "nbytes": len(objects[key])}
+
+    monkeypatch.setattr(client_mod, "post", post)
+    if store_kind == "get":
+        store = SimpleNamespace(get=lambda key: (memoryview(objects[key]), None))
+    else:
+        store = IntoStore(objects)
+    remote = RemoteFeatures("http://test", store, SPEC, SimpleNamespace(device="cpu"), "cpu")
+    failures = remote.fetch(mbs)
+    assert [(f.index, f.reason) for f in failures] == [(1, "producer crashed 3 times")]
+    st = remote.staging.stats
+    assert (st["host_copies"], st["store_reads_into_slots"]) == ((2, 0) if store_kind == "get" else (0, 2))
+    t, _ = remote.features_of({"key": (0, 0)})
+    assert t.shape == (2, 7, 48) and torch.isfinite(t).all() and t.abs().sum() > 0
+    remote.release({"key": (0, 0)})
+    t, h = remote.features_of({"key": (0, 1)})
+    assert t.shape == (2, 7, 48) and h.shape == (2, 7, 16) and not t.any() and not h.any()
+    assert t.dtype == torch.float32 and remote.staging.stats["resident"] == 2  # the zeros and the next object
+    remote.release({"key": (0, 1)})
+    with pytest.raises(FeatureContractError, match="last_hidden holds 1 non-finite values, the first at row 1"):
+        remote.features_of({"key": (0, 2)})
+    assert remote.staging.stats["resident_max"] == 2
+    remote.close()
+    if store_kind == "get_into":  # every slot unregistered before it is freed (Mooncake: "overlapped memory region")
+        assert not store.registered and not remote.staging.host
+    busy = sum(h["busy"] for h in remote.staging.host)
+    with pytest.raises(FeatureContractError, match="index: the object declares 0, the trainer expects 5"):
+        remote.fetch([SimpleNamespace(**{**vars(mbs[0]), "index": 5})])  # the store answers 0:0's object for 0:5
+    assert sum(h["busy"] for h in remote.staging.host) == busy  # its slot was not kept

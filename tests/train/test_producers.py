@@ -86,7 +86,8 @@ def copy_run(src, dst):
 def test_producers_through_mooncake_train_the_same_draft_as_in_process(tiny_run, tmp_path):
     profile, run = tiny_run
     other = copy_run(run, tmp_path / "producers")
-    cfg = load_profile(str(profile), ["train.max_steps=6", "train.log_samples=true"]).train
+    # 4 micro-batches a step through a store budget of 3 objects: each is read out of the store in fetch
+    cfg = load_profile(str(profile), ["train.max_steps=6", "train.log_samples=true", "train.grad_accum=4"]).train
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the trainer below (OMP_NUM_THREADS=1): the draft's own arithmetic then matches too
     try:
@@ -94,13 +95,18 @@ def test_producers_through_mooncake_train_the_same_draft_as_in_process(tiny_run,
     finally:
         torch.set_num_threads(threads)
     # a budget of three objects binds (the pool would run further ahead): the store's own bytes stay within it
-    proc = regen_train(profile, other, PRODUCERS + ["train.max_steps=6", "train.producers.budget_bytes=802000"])
+    proc = regen_train(profile, other, PRODUCERS + ["train.max_steps=6", "train.producers.budget_bytes=802000",
+                                                    "train.grad_accum=4"])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((other / "train" / "summary.json").read_text())
     f = summary["features"]
     assert summary["features_from"] == "producers" and f["objects"] > 0 and f["failed_microbatches"] == 0
     assert f["store_samples"] > 0 and 0 < f["store_allocated_bytes_max"] <= f["budget_bytes"] == 802000
     assert f["accounted_bytes_max"] <= f["budget_bytes"]
+    # into the device (issue 26 point 3): each object read by the store straight into a host slot (no copy after
+    # it), at most 2 objects resident, whatever grad_accum
+    st = f["staging"]
+    assert st["store_reads_into_slots"] == f["objects"] == 24 and st["host_copies"] == 0 and st["resident_max"] == 2
     assert summary["target_memory_bytes_per_rank"] < inproc["target_memory_bytes_per_rank"]
     assert samples(other) == samples(run)  # the same micro-batches in the same order
     assert [h["loss"] for h in logged_steps(other)] == [h["loss"] for h in inproc["history"]]

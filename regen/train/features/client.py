@@ -1,12 +1,21 @@
 """The trainer rank's side: the features of its micro-batches, read from the store and checked before use.
 
 `RemoteFeatures.fetch(microbatches)` waits (long-poll on the dispatcher) for each of a step's micro-batches, reads
-its object from the store, checks the header against the rank's own batch (`contract.check_header`: token ids,
-taps, stream, norm, dtype, sizes, target revision), applies the target's final norm when the producer declared
-its last hidden state pre-norm, and tells the dispatcher it was consumed (the object is removed). Then
+its object from the store straight into a reused host slot (Mooncake's `get_into` into slots registered with the
+store: its one transfer, no copy of regen's; a store with only `get`: one copy out of its buffer), checks the
+header against the rank's own batch (`contract.check_header`: token ids, taps, stream, norm, dtype, sizes, target
+revision) and tells the dispatcher it was consumed (the object is removed from the store at once, so the store's
+budget never has to hold a step). Every failure is known here, before the step's loss weights are computed, and
+the ranks agree on it (`FeaturePool.fetch_step`). Nothing is on the device yet but the first micro-batch's copy, issued at the end.
+
 `features_of(batch)` hands the loss exactly what `TargetFeatures.features` would: (taps [B, S, T·Ht],
-last_hidden [B, S, Ht]) in the feature dtype, on the rank's device (`regen.train.features.staging`: one host copy
-into reused pinned memory, an asynchronous copy to the GPU).
+last_hidden [B, S, Ht]) in the feature dtype, on the rank's device; it issues the asynchronous device copy of the
+next micro-batch before it returns (`regen.train.features.staging`), applies the target's final norm when the
+producer declared its last hidden state pre-norm, and refuses non-finite values (`contract.check_values`, on the
+device, queued on the copy stream: its one host read per micro-batch waits for the copy, not for the training
+stream's queued compute; a breach stops this rank, and torchrun stops the others). `release(batch)`
+(`regen.train.step.train_step`, after the micro-batch's backward) frees its device slot, so at most
+`staging.DEVICE_RESIDENT_OBJECTS` (2) objects are on the device at once, whatever grad_accum.
 
 A micro-batch whose features failed on every attempt comes back as a `FeatureFailure`: under `on_failure:
 error` the loop stops naming it; under `zero_loss` the loop zeroes its loss mask and it is trained with zero
@@ -42,10 +51,14 @@ class RemoteFeatures:
                  startup_timeout_s: float = 600.0, poll_s: float = 2.0):
         self.url, self.store, self.spec, self.head, self.device = url, store, spec, head, device
         self.no_producer_timeout_s, self.startup_timeout_s, self.poll_s = no_producer_timeout_s, startup_timeout_s, poll_s
-        self._cache: dict[tuple[int, int], tuple] = {}
+        self._queue: dict[tuple[int, int], tuple] = {}  # fetched, in training order: (Staged, header | None)
+        self._out: dict[tuple[int, int], object] = {}  # handed to compute, not yet released: Staged
         from regen.train.features.staging import Staging
 
-        self.staging = Staging(device)  # reused pinned slots, asynchronous copies to the GPU
+        # reused host slots (registered with the store when it reads into them), at most 2 objects on the device
+        self._into = hasattr(store, "get_into") and hasattr(store, "register")
+        self.staging = Staging(device, register=store.register if self._into else None,
+                               unregister=store.unregister if self._into else None)
         self.stats = {"objects": 0, "bytes": 0, "wait_s": 0.0, "first_wait_s": None, "read_s": 0.0, "failed": 0,
                       "pre_norm_applied": 0}
 
@@ -71,7 +84,8 @@ class RemoteFeatures:
                     "checkpoint, which is intact")
 
     def fetch(self, microbatches) -> list[FeatureFailure]:
-        """Fetch, check and cache the features of `microbatches` (feed MicroBatch objects). Returns the failures.
+        """Wait for, read, check and stage into host memory the features of `microbatches` (feed MicroBatch objects,
+        in the order they will be trained); each object leaves the store here. Returns the failures.
         Raises FeatureContractError (a broken contract), InputError (no producers, dispatcher gone)."""
         import torch
 
@@ -85,41 +99,80 @@ class RemoteFeatures:
                 self.stats["first_wait_s"] = t1 - t0
             if r["status"] == "error":
                 raise InputError(r["reason"])
+            key = (mb.epoch, mb.index)
             if r["status"] == "failed":
                 failures.append(FeatureFailure(mb.epoch, mb.index, list(mb.sample_ids), r["reason"]))
                 self.stats["failed"] += 1
                 B, S = mb.input_ids.shape
                 H, T = self.spec.target_hidden_size, self.spec.num_taps
-                dt = getattr(torch, self.spec.dtype)
-                self._cache[(mb.epoch, mb.index)] = (torch.zeros(B, S, T * H, dtype=dt, device=self.device),
-                                                     torch.zeros(B, S, H, dtype=dt, device=self.device))
+                self._queue[key] = (self.staging.zeros(key, getattr(torch, self.spec.dtype),
+                                                       [(B, S, T * H), (B, S, H)]), None)
                 post(self.url, "/consumed", {"epoch": mb.epoch, "index": mb.index})
                 continue
-            view, handle = self.store.get(r["key"])
-            try:
-                header = read_header(view)
-                check_header(header, self.spec, epoch=mb.epoch, index=mb.index, input_ids=mb.input_ids,
-                             attention_mask=mb.attention_mask)
-                taps, last = self.staging.to_device(view, header)  # on self.device
-                check_values(header, taps, last, epoch=mb.epoch, index=mb.index)  # non-finite: a contract breach
-            finally:
-                del view, handle
-            if header["last_hidden_norm"] == "pre_final_norm":
-                last = self.head.final_norm(last.to(self.head.device)).to(last.dtype)
-                self.stats["pre_norm_applied"] += 1
-            self._cache[(mb.epoch, mb.index)] = (taps, last)
+            if self._into:  # Mooncake: the store's transfer lands in a registered host slot, no copy after it
+                n = self.store.size(r["key"])
+                staged, view = self.staging.stage_into(lambda buf: self.store.get_into(r["key"], buf, n), n, key)
+                try:
+                    header = read_header(view)
+                    check_header(header, self.spec, epoch=mb.epoch, index=mb.index, input_ids=mb.input_ids,
+                                 attention_mask=mb.attention_mask)
+                    self.staging.locate(staged, header)
+                except BaseException:
+                    self.staging.discard(staged)
+                    raise
+                finally:
+                    del view
+            else:  # a store with only `get`: its buffer, then one host copy into a slot
+                view, handle = self.store.get(r["key"])
+                try:
+                    header = read_header(view)
+                    check_header(header, self.spec, epoch=mb.epoch, index=mb.index, input_ids=mb.input_ids,
+                                 attention_mask=mb.attention_mask)
+                    staged = self.staging.stage(view, header, key)  # the store's object can go after this
+                finally:
+                    del view, handle
+            self._queue[key] = (staged, header)
             post(self.url, "/consumed", {"epoch": mb.epoch, "index": mb.index})
             self.stats["objects"] += 1
             self.stats["bytes"] += int(r["nbytes"])
             self.stats["read_s"] += time.perf_counter() - t1
+        if self._queue:  # the first micro-batch's device copy runs while the step's loss weights are computed
+            self.staging.issue(next(iter(self._queue.values()))[0])
         return failures
 
     def features_of(self, batch: dict):
-        """(taps, last_hidden) of a batch prepared from a fetched micro-batch (`batch["key"]` = (epoch, index))."""
+        """(taps, last_hidden) of a batch prepared from a fetched micro-batch (`batch["key"]` = (epoch, index)), on
+        the device, valid until `release(batch)`; the next fetched micro-batch's device copy is issued before it
+        returns, so it overlaps this one's compute. Raises FeatureContractError (non-finite values), RuntimeError
+        (not fetched)."""
+        key = tuple(batch["key"])
         try:
-            return self._cache.pop(tuple(batch["key"]))
+            staged, header = self._queue.pop(key)
         except KeyError:
             raise RuntimeError(f"features of micro-batch {batch.get('key')} were not fetched") from None
+        taps, last = self.staging.ready(staged)  # issued one micro-batch ago: copied during the last compute
+        self._out[key] = staged
+        if header is not None:
+            with self.staging.on_copy_stream():  # its host read waits for this copy, not the queued compute
+                check_values(header, taps, last, epoch=key[0], index=key[1])  # non-finite: a contract breach
+        if self._queue:  # the next micro-batch's copy runs while this one computes
+            self.staging.issue(next(iter(self._queue.values()))[0])
+        if header is not None and header["last_hidden_norm"] == "pre_final_norm":
+            last = self.head.final_norm(last.to(self.head.device)).to(last.dtype)
+            self.stats["pre_norm_applied"] += 1
+        return taps, last
+
+    def release(self, batch: dict) -> None:
+        """The loss is done with `batch`'s features (after its backward): its device slot may take the next object."""
+        staged = self._out.pop(tuple(batch["key"]), None)
+        if staged is not None:
+            self.staging.release(staged)
 
     def close(self) -> None:
-        self._cache.clear()
+        for staged, _ in self._queue.values():
+            self.staging.release(staged)
+        for staged in self._out.values():
+            self.staging.release(staged)
+        self._queue.clear()
+        self._out.clear()
+        self.staging.close()

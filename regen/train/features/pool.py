@@ -341,6 +341,9 @@ class FeaturePool:
                "read_s": round(f["read_s"], 3), "failed_microbatches": f["failed"],
                "data_wait_fraction": f["wait_s"] / step_s if step_s > 0 else 0.0,
                "feature_bytes_per_s": f["bytes"] / step_s if step_s > 0 else 0.0, **self.sizes}
+        st = self.features.staging.stats  # regen.train.features.staging: host copies, device copies, residency
+        out["staging"] = {k: st[k] for k in ("store_reads_into_slots", "host_copies", "host_bytes", "device_copies",
+                                             "device_bytes", "pinned_bytes", "resident_max", "extra_device_buffers")}
         if self.dispatcher is not None:
             st = self.dispatcher.status()
             out["dispatcher"] = st["stats"]
@@ -406,6 +409,8 @@ class FeaturePool:
                 log.exception("removing this run's feature objects")
         if self.dispatcher is not None:
             self.dispatcher.stop()
+        if self.features is not None:
+            self.features.close()  # its host slots unregistered from the store before the store goes
         if self.store is not None:
             self.store.close()
         if self.master is not None:

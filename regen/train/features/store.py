@@ -215,6 +215,31 @@ class StoreClient:
             raise StoreError(f"get {key}", -704)
         return memoryview(handle).cast("B"), handle
 
+    def register(self, buf) -> None:
+        """Register `buf` (a contiguous CPU uint8 tensor, pinned or not, kept alive by the caller) as a target of
+        `get_into`. Raises StoreError."""
+        rc = self.store.register_buffer(buf.data_ptr(), buf.numel())
+        if rc != 0:
+            raise StoreError(f"register a {buf.numel():,}-byte buffer", rc)
+
+    def unregister(self, buf) -> None:
+        self.store.unregister_buffer(buf.data_ptr())
+
+    def size(self, key: str) -> int:
+        """The stored object's bytes. Raises StoreError (absent)."""
+        n = self.store.get_size(key)
+        if n < 0:
+            raise StoreError(f"size of {key}", n)
+        return int(n)
+
+    def get_into(self, key: str, buf, nbytes: int) -> None:
+        """Read the object `key` of `nbytes` bytes straight into `buf` (a registered CPU uint8 tensor of at least
+        `nbytes`): the store's one transfer, no client buffer and no copy after it (TorchSpec's `batch_get_into`).
+        Raises StoreError (absent, or not `nbytes` long)."""
+        n = self.store.get_into(key, buf.data_ptr(), int(nbytes))
+        if n != nbytes:
+            raise StoreError(f"get_into {key} ({nbytes:,} bytes expected, {n} read)", n if n < 0 else -704)
+
     def remove(self, keys: list[str]) -> list[int]:
         """Force-remove `keys` (a consumer's read lease does not block it); returns per-key codes (0 or -704)."""
         return list(self.store.batch_remove(list(keys), True)) if keys else []
