@@ -55,13 +55,15 @@ def describe(names: list[str], limit: int = 6) -> str:
 
 def nonfinite_step_error(step: int, local: dict, gathered: list, last_good) -> NonFiniteStep:
     """The error of a non-finite step `step` (1-based, the one that was not applied). `gathered`: every rank's
-    {"loss_finite": bool, "grad_norm": float, "sample_ids": [[ids of micro-batch i]], "bad_microbatches": [i]}."""
+    {"loss_finite": bool, "grad_norm": float, "sample_ids": [[ids of micro-batch i]], "bad_microbatches": [i],
+    "feature_breaches": [the contract error of each micro-batch whose feature values were not finite]}."""
     parts = []
     for rank, g in enumerate(gathered):
         bad = g["bad_microbatches"] or list(range(len(g["sample_ids"])))
         ids = [sid for i in bad for sid in g["sample_ids"][i]]
         parts.append(f"rank {rank}: loss {'finite' if g['loss_finite'] else 'non-finite'} in micro-batch(es) "
                      f"{bad}, rows {describe(ids, 8)}")
+        parts += [f"rank {rank}: {msg}" for msg in g.get("feature_breaches") or []]
     where = (f"the last good checkpoint is {last_good}: rerun to resume from it with a lower train.lr (resume accepts "
              "no lr change: train into a new --out with --init-from it), or drop the rows above"
              if last_good else "no checkpoint was written before it: lower train.lr (or raise train.warmup_frac) "
@@ -97,9 +99,9 @@ def raise_nonfinite(step: int, m: dict, batch_step, last_good, info, train_dir: 
     message names them all); the reason also goes to `<train_dir>/stopped.json` (rank 0; the next run of the
     directory removes it when it starts)."""
 
-    mine = {"loss_finite": not m["bad_microbatches"], "grad_norm": float(m["grad_norm"]),
+    mine = {"loss_finite": m.get("loss_finite", not m["bad_microbatches"]), "grad_norm": float(m["grad_norm"]),
             "sample_ids": [list(mb.sample_ids) for mb in batch_step.microbatches],
-            "bad_microbatches": m["bad_microbatches"]}
+            "bad_microbatches": m["bad_microbatches"], "feature_breaches": m.get("feature_breaches") or []}
     gathered = [mine]
     if info.world_size > 1:
         from regen.train.collectives import control_all_gather_object

@@ -15,8 +15,10 @@ def train_step(model, target, opt, microbatches, *, loss_weights=(0.1, 0.9, 1.0)
     accumulating their batches. "micro_batch" (the reference, DS trainer): (1/A) Σ_i Σ_ranks w·term_i / Σ_ranks w_i,
     each micro-batch normalised by its own weight sum over ranks, then averaged over the A accumulation steps.
     Returns this rank's partial sums (reduce with `reduce_metrics`), tokens, target seconds, grad norm, `finite`
-    (False: some rank saw a non-finite loss or gradient norm, and `opt.step()` was skipped on every rank; the
-    caller stops, `regen.train.guard`) and `bad_microbatches` (this rank's indices with a non-finite loss).
+    (False: some rank saw a non-finite loss or gradient norm or feature values, and `opt.step()` was skipped on
+    every rank; the caller stops, `regen.train.guard`), `bad_microbatches` (this rank's indices with a non-finite
+    loss or features) and `feature_breaches` (this rank's contract errors of non-finite feature values, from
+    `target.take_breaches()` when it has one).
     Device synchronisations: two per step (the loss weights, for the control-plane all-reduce, and the
     finiteness flags before the optimizer step); the metric sums and the grad norm stay on the training device
     until `reduce_metrics` reads them at a log step. Each micro-batch's features are released to `target`
@@ -71,6 +73,12 @@ def train_step(model, target, opt, microbatches, *, loss_weights=(0.1, 0.9, 1.0)
     # One device read for every flag of the step, then the agreement on the control plane.
     flags = torch.cat(loss_ok + [torch.isfinite(grad_norm).reshape(1)]).cpu().tolist() if microbatches else [True]
     bad_microbatches = [i for i, ok in enumerate(flags[:-1]) if not ok]
+    # features whose values were not finite (remote features check them on the device as they are handed over):
+    # the step is non-finite on this rank whatever its loss read, and the breach is named in the stop
+    breaches = getattr(target, "take_breaches", dict)()
+    keys = [tuple(b["key"]) if "key" in b else None for b, _, _ in microbatches]
+    feature_breaches = {i: breaches[k] for i, k in enumerate(keys) if k in breaches}
+    bad_microbatches = sorted(set(bad_microbatches) | set(feature_breaches))
     local_ok = flags[-1] and not bad_microbatches
     finite = control_all_reduce_sum(torch.tensor([0.0 if local_ok else 1.0], dtype=torch.float64),
                                     "the step's finiteness flags").tolist()[0] == 0.0
@@ -79,7 +87,9 @@ def train_step(model, target, opt, microbatches, *, loss_weights=(0.1, 0.9, 1.0)
     opt.zero_grad(set_to_none=True)
     tokens = sum(b["num_tokens"] if "num_tokens" in b else int(b["attention_mask"].sum()) for b, _, _ in microbatches)
     return {"sums": sums, "tokens": tokens, "target_s": t_target, "grad_norm": grad_norm, "weight": step_w,
-            "finite": finite, "bad_microbatches": bad_microbatches}
+            "finite": finite, "bad_microbatches": bad_microbatches,
+            "feature_breaches": [feature_breaches[i] for i in sorted(feature_breaches)],
+            "loss_finite": all(flags[:-1])}
 
 
 def reduce_metrics(m: dict) -> dict:

@@ -279,6 +279,51 @@ def test_remote_features_keep_two_objects_on_the_device_and_train_the_same(tiny_
                            q.detach().full_tensor() if hasattr(q, "full_tensor") else q.detach()), n
 
 
+def test_non_finite_features_stop_the_step_on_every_rank_naming_the_object(tiny_run, target, dist_info,
+                                                                            monkeypatch):
+    """Feature values are checked on the device as each object is handed over (in the middle of the step), so a
+    breach is not raised there, where the other ranks would wait in FSDP's collectives until the NCCL watchdog:
+    the step's finiteness flags carry it, no rank applies the optimizer step, and the stop names the object."""
+    from types import SimpleNamespace
+
+    from regen.train.features import client as client_mod
+    from regen.train.features.client import RemoteFeatures
+    from regen.train.features.contract import FeatureSpec, encode, make_header
+    from regen.train.guard import nonfinite_step_error
+
+    model, opt = build(target, dist_info)
+    (mbs,) = steps(tiny_run[1], 3, 1, model.config)
+    cached = CachedFeatures(target)
+    tcfg = target.config
+    spec = FeatureSpec("regen/test", (0, 1, 2), "prefix", "float32", tcfg.hidden_size, tcfg.num_hidden_layers, "r")
+    store = DictStore()
+    for i, (b, _, _) in enumerate(mbs):
+        taps, last = (x.clone() for x in cached.features_of(b))
+        if i == 1:
+            last[0, -1, 0] = float("nan")
+        h = make_header(spec, epoch=b["key"][0], index=b["key"][1], attempt=0, sample_ids=["x"] * len(taps),
+                        input_ids=b["input_ids"], attention_mask=b["attention_mask"],
+                        producer={"id": "p0", "engine": "test"}, stream_reading="test")
+        store.objects[str(b["key"])] = b"".join(bytes(p) for p in encode(h, taps, last)[0])
+    monkeypatch.setattr(client_mod, "post", lambda url, path, body, timeout_s=None: (
+        {"status": "ready", "key": str((body["epoch"], body["index"])),
+         "nbytes": len(store.objects[str((body["epoch"], body["index"]))])} if path == "/wait" else {}))
+    remote = RemoteFeatures("http://test", store, spec, SimpleNamespace(device="cpu"), "cpu")
+    remote.fetch([SimpleNamespace(epoch=b["key"][0], index=b["key"][1], input_ids=b["input_ids"], sample_ids=["x"],
+                                  attention_mask=b["attention_mask"]) for b, _, _ in mbs])
+    before = [p.detach().clone() for p in model.parameters()]
+    m = train_step(model, remote, opt, mbs)  # runs to its end: no rank leaves the step's collectives early
+    assert m["finite"] is False and m["bad_microbatches"] == [1] and len(m["feature_breaches"]) == 1
+    assert "last_hidden holds 1 non-finite values" in m["feature_breaches"][0]
+    assert all(torch.equal(a, b.detach()) for a, b in zip(before, model.parameters()))  # no optimizer step
+    assert remote.take_breaches() == {} and remote.staging.stats["resident"] == 0
+    mine = {"loss_finite": m["loss_finite"], "grad_norm": float(m["grad_norm"]), "sample_ids": [["a"], ["b"], ["c"]],
+            "bad_microbatches": m["bad_microbatches"], "feature_breaches": m["feature_breaches"]}
+    msg = str(nonfinite_step_error(7, mine, [mine], None))
+    assert "rank 0: " in msg and "micro-batch(es) [1], rows b" in msg and "last_hidden holds 1 non-finite" in msg
+    remote.close()
+
+
 # -- point 9: bf16 through FSDP2's mixed precision, in CI -----------------------------------------------------
 
 def test_a_tiny_draft_trains_in_bf16_through_fsdp_mixed_precision(tiny_run, target, dist_info):

@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass
 
 from regen.errors import InputError
-from regen.train.features.contract import FeatureSpec, check_header, check_values, read_header
+from regen.train.features.contract import FeatureContractError, FeatureSpec, check_header, check_values, read_header
 from regen.train.features.dispatcher import post
 
 log = logging.getLogger(__name__)
@@ -59,6 +59,7 @@ class RemoteFeatures:
         self._into = hasattr(store, "get_into") and hasattr(store, "register")
         self.staging = Staging(device, register=store.register if self._into else None,
                                unregister=store.unregister if self._into else None)
+        self.breaches: dict[tuple[int, int], str] = {}  # non-finite values seen in features_of (take_breaches)
         self.stats = {"objects": 0, "bytes": 0, "wait_s": 0.0, "first_wait_s": None, "read_s": 0.0, "failed": 0,
                       "pre_norm_applied": 0}
 
@@ -143,7 +144,8 @@ class RemoteFeatures:
     def features_of(self, batch: dict):
         """(taps, last_hidden) of a batch prepared from a fetched micro-batch (`batch["key"]` = (epoch, index)), on
         the device, valid until `release(batch)`; the next fetched micro-batch's device copy is issued before it
-        returns, so it overlaps this one's compute. Raises FeatureContractError (non-finite values), RuntimeError
+        returns, so it overlaps this one's compute. Non-finite values are recorded for `take_breaches` (the step
+        is then agreed non-finite on every rank, `regen.train.step.train_step`), not raised. Raises RuntimeError
         (not fetched)."""
         key = tuple(batch["key"])
         try:
@@ -154,13 +156,25 @@ class RemoteFeatures:
         self._out[key] = staged
         if header is not None:
             with self.staging.on_copy_stream():  # its host read waits for this copy, not the queued compute
-                check_values(header, taps, last, epoch=key[0], index=key[1])  # non-finite: a contract breach
+                try:
+                    check_values(header, taps, last, epoch=key[0], index=key[1])  # non-finite: a contract breach
+                except FeatureContractError as exc:
+                    # not raised here, in the middle of the step: the other ranks would wait in FSDP's collectives
+                    # until the NCCL watchdog. `train_step` takes it with `take_breaches` and counts the step
+                    # non-finite, so every rank agrees to stop before the optimizer step and names it.
+                    self.breaches[key] = str(exc)
         if self._queue:  # the next micro-batch's copy runs while this one computes
             self.staging.issue(next(iter(self._queue.values()))[0])
         if header is not None and header["last_hidden_norm"] == "pre_final_norm":
             last = self.head.final_norm(last.to(self.head.device)).to(last.dtype)
             self.stats["pre_norm_applied"] += 1
         return taps, last
+
+    def take_breaches(self) -> dict[tuple[int, int], str]:
+        """{(epoch, index): the contract error} of the micro-batches handed over since the last call whose values
+        were not finite (checked on the device in `features_of`), cleared."""
+        out, self.breaches = self.breaches, {}
+        return out
 
     def release(self, batch: dict) -> None:
         """The loss is done with `batch`'s features (after its backward): its device slot may take the next object."""
