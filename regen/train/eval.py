@@ -508,7 +508,8 @@ def add_arguments(parser) -> None:
     add_profile_arguments(parser)
     add_responses_argument(parser, "the shard set whose held-out prompts are measured (-> eval.json or "
                                    "eval-original.json)")
-    parser.add_argument("--draft", required=True, help="checkpoint folder, or a folder with latest.json")
+    parser.add_argument("--draft", default=None, help="checkpoint folder, or a folder with latest.json (default: "
+                        "the run's training directory, <run>/train or train-original/, its latest step)")
     parser.add_argument("--num-prompts", type=int, default=32, help="held-out prompts to evaluate (default 32)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="generated tokens per prompt (default 64)")
     parser.add_argument("--seed", type=int, default=None, help="seed of the untrained draft (default: profile)")
@@ -544,7 +545,7 @@ def main(args) -> int:
         if name in compare:
             raise InputError(f"--compare {name}=...: given twice; use one name per draft")
         compare[name] = path
-    out = run_eval(profile.train, run, draft_dir=args.draft, seed=seed, num_prompts=args.num_prompts,
+    out = run_eval(profile.train, run, draft_dir=args.draft or run.train, seed=seed, num_prompts=args.num_prompts,
                    max_new_tokens=args.max_new_tokens, confidence_threshold=args.confidence_threshold,
                    compare=compare, temperature=args.temperature, top_p=args.top_p)
     brief = {k: {"acc_len": out[k]["acc_len"], "num_rounds": out[k]["num_rounds"]} for k in out["drafts"]}

@@ -102,6 +102,14 @@ def test_regen_eval_end_to_end_on_a_tiny_target(tmp_path, tiny_target_dir, shard
                "--max-new-tokens", "4", "--set", f"train.target={tiny_target_dir}",
                "--set", "train.heldout_fraction=1.0", "--set", "train.target_layer_ids=[0, 2]"])
     assert rc == 0 and json.loads((run.root / "eval.json").read_text())["num_prompts"] == 1
+    # without --draft: the run's own training directory (its latest step), as after `regen train`
+    import shutil
+
+    shutil.copytree(tmp_path / "ckpt", run.train, dirs_exist_ok=True)
+    rc = main(["eval", "--run", str(run.root), "--num-prompts", "2", "--max-new-tokens", "4",
+               "--set", f"train.target={tiny_target_dir}", "--set", "train.heldout_fraction=1.0",
+               "--set", "train.target_layer_ids=[0, 2]"])
+    assert rc == 0 and json.loads((run.root / "eval.json").read_text())["num_prompts"] == 2
     from regen.train.target import ContractError
 
     with pytest.raises(ContractError, match="target_layer_ids"):
