@@ -104,6 +104,9 @@ def test_foreign_and_cut_objects_are_refused():
         read_header(b"X" * 64)
     with pytest.raises(FeatureContractError, match="bytes, its header says"):
         read_header(blob[:-1])
+    h = read_header(blob)
+    with pytest.raises(FeatureContractError, match="lies outside the object's"):  # one bounds check for all readers
+        decode(blob[:-1], h)
 
 
 @pytest.mark.parametrize("tensor,value,row,pos", [("taps", float("nan"), 1, 3), ("last_hidden", float("inf"), 0, 6),

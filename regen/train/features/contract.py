@@ -179,8 +179,10 @@ def read_header(buf) -> dict:
     return header
 
 
-def decode(buf, header: dict):
-    """(taps, last_hidden) tensors copied out of `buf` (so the buffer may be released)."""
+def tensor_extents(header: dict, size: int) -> list[tuple[int, int, tuple]]:
+    """[(offset, nbytes, shape)] of taps and last_hidden, in that order, in an object of `size` bytes, read from its
+    header (dtype, shapes, offsets). Raises FeatureContractError when a tensor lies outside the object or is not
+    aligned to its dtype: one bounds check for every reader (`decode`, `regen.train.features.staging`)."""
     import torch
 
     dtype = getattr(torch, header["dtype"])
@@ -190,7 +192,27 @@ def decode(buf, header: dict):
         n = 1
         for d in t["shape"]:
             n *= d
-        out.append(torch.frombuffer(buf, dtype=dtype, count=n, offset=t["offset"]).view(*t["shape"]).clone())
+        start, nbytes = int(t["offset"]), n * dtype.itemsize
+        if start < 0 or start + nbytes > size:
+            raise FeatureContractError(f"feature object: tensor {name} [{start}, {start + nbytes}) lies outside "
+                                       f"the object's {size} bytes")
+        if start % dtype.itemsize:
+            raise FeatureContractError(f"feature object: tensor {name} at offset {start} is not aligned to its "
+                                       f"{dtype.itemsize}-byte {dtype}")
+        out.append((start, nbytes, tuple(t["shape"])))
+    return out
+
+
+def decode(buf, header: dict):
+    """(taps, last_hidden) tensors copied out of `buf` (so the buffer may be released). Raises
+    FeatureContractError when a tensor lies outside `buf` (`tensor_extents`)."""
+    import torch
+
+    dtype = getattr(torch, header["dtype"])
+    out = []
+    for start, nbytes, shape in tensor_extents(header, memoryview(buf).nbytes):
+        out.append(torch.frombuffer(buf, dtype=dtype, count=nbytes // dtype.itemsize, offset=start).view(*shape)
+                   .clone())
     return tuple(out)
 
 

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from regen.train.features.contract import FeatureContractError
+from regen.train.features.contract import tensor_extents
 
 DEVICE_RESIDENT_OBJECTS = 2  # feature objects on the device at once: the micro-batch computing and the next one
 
@@ -124,7 +124,7 @@ class Staging:
         returns) into a free host slot. Raises FeatureContractError when a tensor's extent lies outside it."""
         dtype = getattr(torch, header["dtype"])
         src = torch.frombuffer(buf, dtype=torch.uint8)
-        extents = _extents(header, dtype, src.numel())
+        extents = tensor_extents(header, src.numel())
         total = sum(z for _, z, _ in extents)
         i = self._host_slot(total)
         host, parts, at = self.host[i]["buf"], [], 0
@@ -158,7 +158,7 @@ class Staging:
         of last_hidden is what goes to the device. Raises FeatureContractError (an extent outside the object)."""
         h = self.host[staged.slot]
         staged.dtype = getattr(torch, header["dtype"])
-        extents = _extents(header, staged.dtype, staged.nbytes)  # staged.nbytes: the whole object's, until here
+        extents = tensor_extents(header, staged.nbytes)  # staged.nbytes: the whole object's, until here
         staged.base = min(s for s, _, _ in extents)
         staged.nbytes = max(s + z for s, z, _ in extents) - staged.base
         staged.parts = [(s - staged.base, z, shape) for s, z, shape in extents]
@@ -286,23 +286,3 @@ class Staging:
     def _resident(self, n: int) -> None:
         self.stats["resident"] += n
         self.stats["resident_max"] = max(self.stats["resident_max"], self.stats["resident"])
-
-
-def _extents(header: dict, dtype: torch.dtype, size: int) -> list:
-    """[(offset, nbytes, shape)] of taps and last_hidden in an object of `size` bytes. Raises FeatureContractError
-    when one lies outside it."""
-    out = []
-    for name in ("taps", "last_hidden"):
-        t = header["tensors"][name]
-        n = 1
-        for d in t["shape"]:
-            n *= d
-        start, nbytes = int(t["offset"]), n * dtype.itemsize
-        if start < 0 or start + nbytes > size:
-            raise FeatureContractError(f"feature object: tensor {name} [{start}, {start + nbytes}) lies outside "
-                                       f"the object's {size} bytes")
-        if start % dtype.itemsize:
-            raise FeatureContractError(f"feature object: tensor {name} at offset {start} is not aligned to its "
-                                       f"{dtype.itemsize}-byte {dtype}")
-        out.append((start, nbytes, tuple(t["shape"])))
-    return out
