@@ -6,16 +6,27 @@
       config.json         `DSparkConfig.to_dict()`: every field serving needs (target_layer_ids, fc_norm,
                           aux_hidden_stream, mask_token_id, block_size, markov_rank, num_target_layers, ...)
       training.json       the train profile section, target path, shards manifest digest, metrics at save
-      optimizer.pt        full (unsharded) AdamW state keyed by parameter name (rank 0 writes, rank 0 reads)
+      resume/             the resumable weights and AdamW state, sharded as FSDP2 holds them (torch's distributed
+        .metadata         checkpoint, `regen.train.sharded_state`): each rank writes its own `__<rank>_0.distcp`,
+        __0_0.distcp ...  rank 0 the `.metadata`; read back at any world size
       train_state.pt      step, scheduler, feed position (regen.train.feed), RNG states, world size
-      MANIFEST.json       {"step", "files": {name: {"bytes", "sha256"}}} of the files above
+      MANIFEST.json       {"step", "files": {name: {"bytes", "sha256"}}} of the files above ("resume/__0_0.distcp")
     <run>/train/latest.json   {"step": 100, "path": "checkpoints/step-000100"}, written after the folder is complete
 
-A step folder is written under a temporary name, each file fsynced, its MANIFEST.json written, the folder fsynced,
-renamed and its parent fsynced; `latest.json` only then points at it (replaced atomically), so a crash mid-save
-or a host crash after it leaves an intact latest. Resume (`find_resume`), `regen eval` and the exports verify a
-folder against its MANIFEST.json (`check_intact`). A step folder with a non-finite tensor is never written. Full state dicts make a checkpoint independent of
-the world size it was written with. Every function here is collective: all ranks call it.
+The servable files (model.safetensors + config.json: `regen eval`, `regen export-draft`, `train.init_from`) are
+the trainable weights gathered to rank 0 (one all-gather per tensor, fp32: a third of what the full-state
+checkpoint gathered, which added the two AdamW moments and the frozen embed_tokens/lm_head); the optimizer state,
+twice the weights, never leaves its rank. A folder written before `resume/` holds `optimizer.pt` (the full AdamW
+state keyed by parameter name) instead; it still resumes (rank 0 reads it and broadcasts).
+
+A step folder is written under a temporary name: every rank checks its own shards for a NaN or inf (nothing is
+written when any rank finds one), writes them, fsyncs and hashes its own files; after that agreement on the
+control plane rank 0 writes the servable files and train_state.pt, the MANIFEST.json over every file, fsyncs the
+folder, renames it and fsyncs its parent; `latest.json` only then points at it (replaced atomically), so a crash
+mid-save or a host crash after it leaves an intact latest. A failed write on any rank stops every rank. Resume
+(`find_resume`), `regen eval` and the exports verify a folder against its MANIFEST.json (`check_intact`). The
+step folder must be on a filesystem every rank sees (it already was: every rank reads train_state.pt). The
+functions that take a model are collective: all ranks call them.
 """
 from __future__ import annotations
 
@@ -29,18 +40,20 @@ import torch.distributed as dist
 
 from regen.train.model import CONFIG_NAME, FROZEN_PREFIXES, WEIGHTS_NAME
 from regen.errors import InputError
-from regen.train.parallel import full_model_state, full_optim_state, load_full_model_state, load_full_optim_state
+from regen.train.parallel import full_model_state, load_full_model_state, load_full_optim_state
 from schemas.io import _fsync_dir, read_json, sha256_file, write_json_atomic  # fsync of a file or a directory
 
 log = logging.getLogger(__name__)
 LATEST = "latest.json"
 MANIFEST = "MANIFEST.json"
+RESUME_DIR = "resume"  # the sharded resumable state (torch's distributed checkpoint), one file per rank
+# a folder written before manifests (and before the sharded state) needs these
 REQUIRED = (WEIGHTS_NAME, CONFIG_NAME, "training.json", "optimizer.pt", "train_state.pt")
 
 
 class CheckpointError(InputError):
     """A checkpoint that cannot be trusted or written: damaged (a file missing, of another size or sha256 than its
-    MANIFEST.json), none intact to resume from, non-finite tensors, or a failed write on rank 0."""
+    MANIFEST.json), none intact to resume from, non-finite tensors, or a failed write on any rank."""
 
 
 def _rng_state() -> dict:
@@ -77,62 +90,100 @@ def save_checkpoint(train_dir: Path, step: int, model, optimizer, scheduler, fee
     """Write `checkpoints/step-{step:06d}` (see the module docstring) and point `latest.json` at it.
 
     `model` is the sharded root whose `draft` attribute is the DSparkDraft (regen.train.loop.make_objective) or the
-    draft itself. Keeps the newest `keep` step folders (0 = all; by step number, never the one `latest.json`
-    names). Returns the folder's path (on every rank). Raises CheckpointError on every rank when the weights or
-    the optimizer state hold a non-finite value (nothing is written) or when rank 0 fails to write (out of disk:
+    draft itself. Every rank writes its own shards of the resumable state (`resume/`, torch's distributed
+    checkpoint) and hashes them; rank 0 then writes the servable weights (gathered), the JSON files,
+    `train_state.pt`, the MANIFEST.json over every file, renames the folder and replaces `latest.json`. Keeps the
+    newest `keep` step folders (0 = all; by step number, never the one `latest.json` names). Returns the folder's
+    path (on every rank). Raises CheckpointError on every rank when any rank's shard of the weights or of the
+    optimizer state holds a non-finite value (nothing is written), or when any rank fails to write (out of disk:
     the partial folder is removed, `latest.json` still names the previous checkpoint).
     """
-    from regen.train.guard import describe, nonfinite_tensors
-    from regen.train.parallel import raise_if_any_rank_failed
+    from regen.train.collectives import control_all_gather_object, control_barrier
+    from regen.train.guard import describe
+    from regen.train.parallel import gathered_model_state, raise_if_any_rank_failed
+    from regen.train.sharded_state import hash_own_files, nonfinite_local, save_sharded, sharded_state
 
     draft, prefix = _draft_of(model)
-    model_sd = _strip(full_model_state(model), prefix)
-    optim_sd = full_optim_state(model, optimizer)
+    rank, world, is_main = dist.get_rank(), dist.get_world_size(), dist.get_rank() == 0
     root = Path(train_dir) / "checkpoints"
     final = root / f"step-{step:06d}"
-    error = None
-    if dist.get_rank() == 0:
-        bad = nonfinite_tensors(model_sd) + [f"optimizer.{k}" for k in nonfinite_tensors(optim_sd)]
-        if bad:
-            error = CheckpointError(f"{final}: not written: non-finite values in {describe(bad)}; the run diverged "
-                                    f"after {latest_checkpoint(train_dir) or 'its start'}: lower train.lr and rerun")
-        else:
-            try:
-                _write_step_folder(train_dir, root, final, step, draft, model_sd, optim_sd, scheduler, feed,
-                                   training, include_frozen, keep)
-            except OSError as exc:  # out of disk, a read-only mount: every rank stops now, not at the PG timeout
-                shutil.rmtree(root / f".tmp-step-{step:06d}", ignore_errors=True)
-                error = CheckpointError(f"rank 0 could not write {final}: {exc}; latest.json still names "
-                                        f"{latest_checkpoint(train_dir) or 'no checkpoint'}: free space or fix "
-                                        "the directory and rerun to resume")
-    raise_if_any_rank_failed(error)
-    from regen.train.collectives import control_barrier
+    tmp = root / f".tmp-step-{step:06d}"
 
+    def failed(exc: BaseException, who: str) -> CheckpointError:
+        if is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return CheckpointError(f"{who} could not write {final}: {exc}; latest.json still names "
+                               f"{latest_checkpoint(train_dir) or 'no checkpoint'}: free space or fix the directory "
+                               "and rerun to resume")
+
+    # 1. every rank checks its own shards; nothing is written when any holds a NaN or inf
+    state = sharded_state(model, optimizer)
+    bad = [k if k.startswith("optimizer.") else k.removeprefix("model.").removeprefix(prefix)
+           for k in nonfinite_local(state)]
+    if include_frozen and is_main:  # replicated on every rank: rank 0 checks them
+        from regen.train.guard import nonfinite_tensors
+
+        bad += nonfinite_tensors({k: v for k, v in draft.state_dict().items() if k.startswith(FROZEN_PREFIXES)})
+    error = None
+    if bad:
+        error = CheckpointError(f"{final}: not written: non-finite values in {describe(bad)}; the run diverged "
+                                f"after {latest_checkpoint(train_dir) or 'its start'}: lower train.lr and rerun")
+    raise_if_any_rank_failed(error)
+    # 2. rank 0 makes the temporary folder, then every rank writes and hashes its shards of the resumable state
+    if is_main:
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            (tmp / RESUME_DIR).mkdir(parents=True)
+        except OSError as exc:  # out of disk, a read-only mount: every rank stops now, not at the PG timeout
+            error = failed(exc, "rank 0")
+    raise_if_any_rank_failed(error)
+    own = {}
+    try:
+        save_sharded(tmp / RESUME_DIR, model, optimizer, state)  # DCP: CheckpointException on every rank
+        own = hash_own_files(tmp / RESUME_DIR, rank, is_main)
+    except Exception as exc:  # noqa: BLE001 - DCP wraps a rank's OSError in its CheckpointException
+        error = failed(exc, f"rank {rank}")
+    raise_if_any_rank_failed(error)
+    del state
+    hashed = [own]
+    if world > 1:
+        hashed = [None] * world
+        control_all_gather_object(hashed, own)
+    # 3. the servable export: the trainable weights gathered to rank 0 (the frozen embed_tokens/lm_head never)
+    weights = gathered_model_state(
+        model, lambda name: include_frozen or not name.removeprefix(prefix).startswith(FROZEN_PREFIXES))
+    if is_main:
+        try:
+            files = {k: v for h in hashed for k, v in h.items()}
+            _write_step_folder(train_dir, root, final, tmp, step, draft, _strip(weights, prefix), files, scheduler,
+                               feed, training, keep)
+        except OSError as exc:
+            error = failed(exc, "rank 0")
+    del weights
+    raise_if_any_rank_failed(error)
     control_barrier()  # the others wait under the control plane's timeout, not the NCCL watchdog's
     return final
 
 
-def _write_step_folder(train_dir, root, final, step, draft, model_sd, optim_sd, scheduler, feed, training,
-                       include_frozen, keep) -> None:
-    """Rank 0's part of save_checkpoint: temporary folder, files fsynced, MANIFEST (sizes and sha256), folder
+def _write_step_folder(train_dir, root, final, tmp, step, draft, weights, files, scheduler, feed, training,
+                       keep) -> None:
+    """Rank 0's part of save_checkpoint, after every rank wrote and hashed its shards in `tmp/resume/` (`files`):
+    the servable files and train_state.pt fsynced and hashed, MANIFEST (sizes and sha256 of every file), folder
     fsynced, renamed, parent fsynced, then `latest.json` replaced atomically, then pruning."""
     from safetensors.torch import save_file
 
-    tmp = root / f".tmp-step-{step:06d}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    weights = {k: v.contiguous() for k, v in model_sd.items() if include_frozen or not k.startswith(FROZEN_PREFIXES)}
-    save_file(weights, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
     write_json_atomic(draft.config.to_dict(), tmp / CONFIG_NAME)
     write_json_atomic({**training, "step": step}, tmp / "training.json")
-    torch.save(optim_sd, tmp / "optimizer.pt")
     torch.save({"step": step, "scheduler": scheduler.state_dict(), "feed": feed.state_dict(),
                 "rng": _rng_state(), "world_size": dist.get_world_size()}, tmp / "train_state.pt")
-    files = {}
+    files = dict(files)
     for f in sorted(tmp.iterdir()):
-        _fsync_dir(f)
-        files[f.name] = {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
-    write_json_atomic({"step": step, "files": files}, tmp / MANIFEST)
+        if f.is_file():
+            _fsync_dir(f)
+            files[f.name] = {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
+    _fsync_dir(tmp / RESUME_DIR)
+    write_json_atomic({"step": step, "files": dict(sorted(files.items()))}, tmp / MANIFEST)
     _fsync_dir(tmp)
     if final.exists():  # this run's own later step folder, or a damaged one it fell back past (checked at start)
         shutil.rmtree(final)
@@ -267,36 +318,55 @@ def _draft_of(model):
 
 
 def load_checkpoint(path: Path, model, optimizer, scheduler, feed) -> int:
-    """Restore model, optimizer, scheduler, feed position and RNG from a step folder; returns the step.
+    """Restore model, optimizer, scheduler, feed position and RNG from a step folder; returns the step. Collective.
 
-    Raises ValueError when the checkpoint's config.json differs from the draft being trained (a different
-    architecture or contract cannot resume; start a new run directory instead).
+    The weights and the optimizer state come from the sharded `resume/` (torch's distributed checkpoint, resharded
+    to this world size: every rank reads its own parts); a folder written before it (`optimizer.pt`, the full
+    state) is read on rank 0 and broadcast. Raises ValueError when the checkpoint's config.json differs from the
+    draft being trained (a different architecture or contract cannot resume; start a new run directory instead),
+    CheckpointError when the folder holds neither form of the resumable state.
     """
-    from safetensors.torch import load_file
-
     from regen.train.model import DSparkConfig
 
     draft, prefix = _draft_of(model)
+    path = Path(path)
     saved_cfg = DSparkConfig.from_json(path / CONFIG_NAME)
     if saved_cfg != draft.config:
         diff = {k: (v, draft.config.to_dict().get(k)) for k, v in saved_cfg.to_dict().items()
                 if draft.config.to_dict().get(k) != v}
         raise ValueError(f"{path / CONFIG_NAME}: draft config differs from this run's (saved, now): {diff}; "
                          "resume with the same train.* settings or use a new run directory")
+    state = torch.load(path / "train_state.pt", weights_only=False)
+    if (path / RESUME_DIR / ".metadata").is_file():
+        from regen.train.sharded_state import load_sharded
+
+        load_sharded(path / RESUME_DIR, model, optimizer)
+    elif (path / "optimizer.pt").is_file():
+        _load_full_state(path, model, optimizer, prefix)
+    else:
+        raise CheckpointError(f"{path}: no resumable state ({RESUME_DIR}/.metadata, or optimizer.pt of an older "
+                              "checkpoint): resume from another step folder, or start a new --out with "
+                              f"--init-from {path} (its weights, a fresh optimizer)")
+    scheduler.load_state_dict(state["scheduler"])
+    feed.load_state_dict(state["feed"])
+    _set_rng_state(state["rng"])
+    return int(state["step"])
+
+
+def _load_full_state(path: Path, model, optimizer, prefix: str) -> None:
+    """A checkpoint written before the sharded state: model.safetensors and optimizer.pt (full, keyed by name)
+    read on rank 0 and broadcast into the sharded model and optimizer. Collective."""
+    from safetensors.torch import load_file
+
     is_main = dist.get_rank() == 0
     model_sd = load_file(str(path / WEIGHTS_NAME)) if is_main else {}
     optim_sd = torch.load(path / "optimizer.pt", weights_only=False) if is_main else {}
-    state = torch.load(path / "train_state.pt", weights_only=False)
     full = _strip(full_model_state(model), prefix)  # collective
     if is_main:  # frozen tensors are the target's: take them from the freshly built draft
         model_sd = {prefix + k: v for k, v in {**{k: v for k, v in full.items() if k.startswith(FROZEN_PREFIXES)},
                                                **model_sd}.items()}
     load_full_model_state(model, model_sd)
     load_full_optim_state(model, optimizer, optim_sd)
-    scheduler.load_state_dict(state["scheduler"])
-    feed.load_state_dict(state["feed"])
-    _set_rng_state(state["rng"])
-    return int(state["step"])
 
 
 def agreed_resume(train_dir: Path, info):

@@ -7,7 +7,8 @@ Two planes (torchtitan's `cpu:gloo,cuda:nccl`, TorchSpec's separate gloo group):
   take device tensors only, so they never force a host-device synchronisation.
 * **control**: a gloo group with its own timeout, for host-side agreement: the step's loss weights, flags,
   counts, the any-rank-failed agreement (`raise_if_any_rank_failed`), object broadcasts, barriers around
-  checkpoints. Its tensors are CPU tensors, which NCCL cannot carry at all (`RuntimeError: No backend type
+  checkpoints, and the coordination of the sharded checkpoint (`control_dcp_save`, `control_dcp_load`: torch's
+  distributed checkpoint exchanges plans and metadata there; the tensors go to files). Its tensors are CPU tensors, which NCCL cannot carry at all (`RuntimeError: No backend type
   associated with device type cpu`, the crash of the first GPU run, shared/docs/gpu-readiness.md finding 1).
 
 The check: every collective states its plane; each tensor's device is checked against the backend that serves
@@ -164,6 +165,25 @@ def control_barrier() -> None:
     """A barrier on the control group: ranks wait for rank 0's checkpoint or evaluation under its timeout, not
     under the NCCL watchdog's."""
     dist.barrier(group=_control_group())
+
+
+def control_dcp_save(state: dict, path) -> None:
+    """`torch.distributed.checkpoint.save` of `state` (DTensors, tensors, objects) to the folder `path`, its
+    coordination on the control group: DCP exchanges only plans and metadata (pickled objects) between ranks;
+    each rank writes its own shards' bytes to its own files (fsynced), rank 0 the `.metadata`. Raises DCP's
+    CheckpointException on every rank when any rank failed."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(path), sync_files=True),
+             process_group=_control_group())
+
+
+def control_dcp_load(state: dict, path) -> None:
+    """`torch.distributed.checkpoint.load` into `state` in place (resharded to this world size), coordinated on the
+    control group like `control_dcp_save`; each rank reads the byte ranges of its own shards."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)), process_group=_control_group())
 
 
 def raise_if_any_rank_failed(error: BaseException | None) -> None:

@@ -6,8 +6,9 @@ Backend: NCCL on CUDA, gloo on CPU, plus a gloo control group for host-side agre
 (`regen.train.collectives`, through which every collective goes). Sharding follows torchtitan `models/llama3/parallelize.py`: `fully_shard`
 on each block of `model.layers`, then on the root; the training loop has no `if distributed` branches.
 
-Full (unsharded) state dicts gather to rank 0 on CPU for checkpoints (`full_model_state`, `full_optim_state`)
-and are broadcast back from rank 0 on load, so a checkpoint resumes with any world size.
+The servable weights of a checkpoint gather to rank 0 on CPU (`gathered_model_state`); the resumable state is
+sharded (`regen.train.sharded_state`). Full state dicts (`full_model_state`, `full_optim_state`, and their loads
+broadcast from rank 0) serve the older checkpoints that hold `optimizer.pt`, tests and evaluation.
 """
 from __future__ import annotations
 
@@ -163,6 +164,26 @@ def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def gathered_model_state(model: nn.Module, keep=None) -> dict[str, torch.Tensor]:
+    """The unsharded tensors of `model`'s state dict whose name `keep(name)` accepts (default all), on CPU on
+    rank 0 (empty elsewhere). Collective: one all-gather per sharded tensor (`DTensor.full_tensor`, on the hot
+    plane through FSDP's mesh), in state-dict order on every rank; each full tensor is freed on the device once
+    rank 0 has its CPU copy. Unlike `full_model_state`, the tensors left out are never copied (the frozen
+    embed_tokens/lm_head, replicated and the target's)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    main = dist.get_rank() == 0
+    out = {}
+    for name, value in get_model_state_dict(model).items():
+        if keep is not None and not keep(name):
+            continue
+        full = value.full_tensor() if hasattr(value, "full_tensor") else value
+        if main:
+            out[name] = full.detach().to("cpu", copy=True)
+        del full
+    return out
 
 
 def load_full_model_state(model: nn.Module, state: dict[str, torch.Tensor], *, strict: bool = True) -> None:

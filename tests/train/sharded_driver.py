@@ -2,6 +2,8 @@
 
     torchrun --nproc_per_node 2 sharded_driver.py save OUT    # step, save OUT/dcp, rank 0 writes OUT/ref.pt
     torchrun --nproc_per_node 2 sharded_driver.py load IN OUT  # load IN, rank 0 writes OUT (the full state)
+    torchrun --nproc_per_node 2 sharded_driver.py poison OUT    # a NaN in rank 1's shard only, then
+                                                                # save_checkpoint(OUT): each rank writes its error
 """
 from __future__ import annotations
 
@@ -55,6 +57,32 @@ def full_state(model, opt) -> dict:
     return {"weights": weights, "moments": moments}
 
 
+def poison_and_save(out: str, info) -> None:
+    from pathlib import Path
+
+    from regen.errors import InputError
+    from regen.train.checkpoint import save_checkpoint
+
+    class Feed:
+        def state_dict(self):
+            return {}
+
+    model, opt = build(0, info)
+    fake_step(model, opt, 1)
+    if info.rank == 1:  # the first moment with a non-empty shard on rank 1
+        for p in model.parameters():
+            if p.requires_grad and opt.state[p]["exp_avg"].to_local().numel():
+                opt.state[p]["exp_avg"].to_local().view(-1)[0] = float("nan")
+                break
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    try:
+        save_checkpoint(Path(out), 1, model, opt, sched, Feed(), training={})
+        msg = "written"
+    except InputError as exc:  # CheckpointError on the rank that found it, InputError naming it on the others
+        msg = f"{type(exc).__name__}: {exc}"
+    Path(out, f"rank{info.rank}.txt").write_text(msg)
+
+
 def main(argv: list[str]) -> None:
     from regen.train.parallel import destroy_distributed, init_distributed
     from regen.train.sharded_state import load_sharded, save_sharded
@@ -67,6 +95,8 @@ def main(argv: list[str]) -> None:
         ref = full_state(model, opt)
         if info.is_main:
             torch.save(ref, f"{argv[1]}/ref.pt")
+    elif argv[0] == "poison":
+        poison_and_save(argv[1], info)
     else:
         model, opt = build(7, info)  # another init: everything must come from the checkpoint
         load_sharded(argv[1], model, opt)

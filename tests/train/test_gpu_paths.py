@@ -639,3 +639,15 @@ def test_a_sharded_checkpoint_resumes_two_ranks_to_one_and_back(dist_info, tmp_p
     _torchrun(["load", str(tmp_path / "dcp1"), str(tmp_path / "got2.pt")], tmp_path)  # 1 rank -> 2 ranks
     _assert_same(torch.load(tmp_path / "got2.pt"), ref1)
 
+
+
+def test_a_nonfinite_shard_on_one_rank_stops_both_ranks_and_writes_nothing(tmp_path):
+    """Each rank checks its own shards of the weights and the AdamW state before the sharded checkpoint; the verdict
+    is agreed on the control plane, so rank 0 (whose shards are finite) refuses too."""
+    _torchrun(["poison", str(tmp_path)], tmp_path)
+    for rank in (0, 1):
+        msg = (tmp_path / f"rank{rank}.txt").read_text()
+        assert "not written: non-finite values in optimizer.state." in msg and ".exp_avg" in msg, msg
+    assert (tmp_path / "rank1.txt").read_text().startswith("CheckpointError")
+    assert "rank 1: " in (tmp_path / "rank0.txt").read_text()  # rank 0 names the rank that found it
+    assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "latest.json").exists()

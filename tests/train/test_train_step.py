@@ -80,19 +80,17 @@ def test_gradient_accumulation_equals_one_large_batch(tiny_run, target, dist_inf
         torch.testing.assert_close(after_a[k] - before[k], after_b[k] - before[k], rtol=1e-4, atol=1e-7, msg=k)
 
 
-def test_checkpoint_round_trip(tiny_run, target, dist_info, tmp_path):
-    _, run_dir = tiny_run
-    model, opt, sched = build(target, dist_info)
+def _trained(run_dir, target, info):
+    model, opt, sched = build(target, info)
     feed = ShardFeed(run_dir / "shards", FeedConfig(max_len=64, max_tokens=256, max_batch=3, min_loss_tokens=4))
     for step in list(feed.steps())[:2]:
         train_step(model, target, opt, [prepare_microbatch(mb, 0, model.config, "cpu") for mb in step.microbatches])
         sched.step()
-    path = save_checkpoint(tmp_path, 2, model, opt, sched, feed, training={"note": "test"})
-    assert latest_checkpoint(tmp_path) == path
-    config = json.loads((path / "config.json").read_text())
-    assert config["target_layer_ids"] == [0, 1, 2] and config["markov_rank"] == 16 and "fc_norm" in config
+    return model, opt, sched, feed
 
-    model2, opt2, sched2 = build(target, dist_info, seed=1)
+
+def _assert_restored(path, model, opt, sched, feed, target, info, run_dir):
+    model2, opt2, sched2 = build(target, info, seed=1)
     feed2 = ShardFeed(run_dir / "shards", FeedConfig(max_len=64, max_tokens=256, max_batch=3, min_loss_tokens=4))
     assert not torch.equal(params(model2)["draft.context_proj.weight"], params(model)["draft.context_proj.weight"])
     assert load_checkpoint(path, model2, opt2, sched2, feed2) == 2
@@ -104,6 +102,52 @@ def test_checkpoint_round_trip(tiny_run, target, dist_info, tmp_path):
         for key, value in st.items():
             assert torch.equal(torch.as_tensor(value), torch.as_tensor(o2["state"][name][key])), (name, key)
     assert sched2.state_dict() == sched.state_dict() and feed2.state_dict() == feed.state_dict()
+
+
+def test_checkpoint_round_trip(tiny_run, target, dist_info, tmp_path):
+    _, run_dir = tiny_run
+    model, opt, sched, feed = _trained(run_dir, target, dist_info)
+    path = save_checkpoint(tmp_path, 2, model, opt, sched, feed, training={"note": "test"})
+    assert latest_checkpoint(tmp_path) == path
+    config = json.loads((path / "config.json").read_text())
+    assert config["target_layer_ids"] == [0, 1, 2] and config["markov_rank"] == 16 and "fc_norm" in config
+    assert (path / "resume" / ".metadata").is_file() and not (path / "optimizer.pt").exists()
+    _assert_restored(path, model, opt, sched, feed, target, dist_info, run_dir)
+
+
+def test_a_checkpoint_of_the_full_state_format_still_resumes(tiny_run, target, dist_info, tmp_path):
+    """A step folder written before the sharded state: model.safetensors + optimizer.pt (the full AdamW state keyed
+    by name, rank 0's), no resume/; one with neither is refused with the remedy."""
+    import shutil
+
+    from regen.train.checkpoint import CheckpointError, verify_checkpoint
+
+    _, run_dir = tiny_run
+    model, opt, sched, feed = _trained(run_dir, target, dist_info)
+    path = save_checkpoint(tmp_path, 2, model, opt, sched, feed, training={"note": "test"})
+    shutil.rmtree(path / "resume")
+    (path / "MANIFEST.json").unlink()
+    torch.save(full_optim_state(model, opt), path / "optimizer.pt")  # what the full-state checkpoint held
+    assert verify_checkpoint(path) is None
+    _assert_restored(path, model, opt, sched, feed, target, dist_info, run_dir)
+    (path / "optimizer.pt").unlink()
+    assert "optimizer.pt missing" in verify_checkpoint(path)  # resume passes over such a folder
+    model2, opt2, sched2 = build(target, dist_info, seed=1)
+    with pytest.raises(CheckpointError, match=r"no resumable state .*--init-from"):
+        load_checkpoint(path, model2, opt2, sched2, feed)
+
+
+def test_a_nonfinite_optimizer_shard_is_never_written(tiny_run, target, dist_info, tmp_path):
+    from regen.train.checkpoint import CheckpointError
+
+    _, run_dir = tiny_run
+    model, opt, sched, feed = _trained(run_dir, target, dist_info)
+    p = dict(model.named_parameters())["draft.context_proj.weight"]
+    opt.state[p]["exp_avg_sq"].to_local()[0, 0] = float("inf")
+    with pytest.raises(CheckpointError, match=r"not written: non-finite values in optimizer\.state\.draft\."
+                                              r"context_proj\.weight\.exp_avg_sq"):
+        save_checkpoint(tmp_path, 2, model, opt, sched, feed, training={})
+    assert not (tmp_path / "checkpoints").exists() and latest_checkpoint(tmp_path) is None
 
 
 def test_micro_batch_normalisation_equals_the_reference_formula(tiny_run, target, dist_info):
