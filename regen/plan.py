@@ -302,11 +302,10 @@ def draft_plan(profile: Profile, a, shard_tokens: float) -> dict:
     p_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     p_frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
     W, T = a["world_size"], t.max_tokens
-    Q = cfg.num_anchors * cfg.block_size
     v_out = cfg.draft_vocab_size or cfg.vocab_size
     taps = len(cfg.target_layer_ids)
     from regen.train.features.staging import DEVICE_RESIDENT_OBJECTS
-    from regen.train.memory import host_staging_bytes, step_memory_bytes
+    from regen.train.memory import host_staging_bytes, step_memory_bytes, step_memory_formulas
 
     p_layer = sum(p.numel() for p in model.layers[0].parameters()) if len(model.layers) else 0
     producers = t.features == "producers"
@@ -315,22 +314,9 @@ def draft_plan(profile: Profile, a, shard_tokens: float) -> dict:
     c = 4 if t.dtype == "float32" else 2
     mem = step_memory_bytes(cfg, tokens=T, world_size=W, grad_accum=t.grad_accum, p_trainable=p_train,
                             p_frozen=p_frozen, p_layer=p_layer, resident_feature_objects=resident, c=c)
-    formulas = {
-        "weights": f"4 B x {p_train:,} / {W} + 2 B x {p_frozen:,} (frozen embed/lm_head, replicated)",
-        "unsharded_params": f"{c} B x (root group + 2 layers of {p_layer:,}) (FSDP2 all-gathered compute copies)",
-        "gradients": f"4 B x {p_train:,} / {W}" + (f" + 4 B x {p_train:,} (unsharded fp32, held through "
-                                                   f"{t.grad_accum} accumulation micro-batches)" if t.grad_accum > 1
-                                                   else ""),
-        "optimizer": f"8 B x {p_train:,} / {W} (AdamW, 2 fp32 moments)",
-        "features": f"{resident} object(s) x {T} x ({taps} + 1) x {cfg.target_hidden_size} x 2 B"
-                    + (" (the micro-batch computing + the next one's copy; a step's objects wait in pinned host "
-                       "memory)" if producers else ""),
-        "activations": (f"saved for backward at S={T}, Q={Q}, L={T + Q}: context, {cfg.num_hidden_layers} layers "
-                        "(incl. the context-side K/V of every layer), memory-efficient attention "
-                        "(regen/train/memory.py, checked against CPU measurement)"),
-        "loss": f"fused loss: {Q} x {cfg.hidden_size} x 4 B + {Q} x {cfg.markov_rank} x 4 B + {v_out} x "
-                f"{cfg.markov_rank} x 4 B + a chunk's 6 x 2^25 x 4 B",
-    }
+    formulas = step_memory_formulas(cfg, tokens=T, world_size=W, grad_accum=t.grad_accum, p_trainable=p_train,
+                                    p_frozen=p_frozen, p_layer=p_layer, resident_feature_objects=resident, c=c,
+                                    producers=producers)
     epochs = t.epochs or 1
     D = shard_tokens * epochs
     n_target = a["target_active_params"]  # with producers, the target's forward runs on their GPUs

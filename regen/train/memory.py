@@ -105,3 +105,28 @@ def host_staging_bytes(cfg, *, tokens: int, grad_accum: int, feature_bytes: int 
     object of a step is read out of the store before its first forward, so failures are agreed first), each
     as large as the largest object: grad_accum x `feature_object_bytes` (`regen.train.features.staging`)."""
     return grad_accum * feature_object_bytes(cfg, tokens, feature_bytes)
+
+
+def step_memory_formulas(cfg, *, tokens: int, world_size: int, grad_accum: int, p_trainable: int, p_frozen: int,
+                         p_layer: int, resident_feature_objects: int, c: int, producers: bool) -> dict[str, str]:
+    """{term: its formula with this plan's numbers}, one per term of `step_memory_bytes` (same arguments; `c` the
+    compute dtype's bytes, `producers` whether features come from feature producers), as `regen plan` prints them
+    beside the figures."""
+    T, W, Q = tokens, world_size, cfg.num_anchors * cfg.block_size
+    taps, v_out = len(cfg.target_layer_ids), cfg.draft_vocab_size or cfg.vocab_size
+    return {
+        "weights": f"4 B x {p_trainable:,} / {W} + 2 B x {p_frozen:,} (frozen embed/lm_head, replicated)",
+        "unsharded_params": f"{c} B x (root group + 2 layers of {p_layer:,}) (FSDP2 all-gathered compute copies)",
+        "gradients": f"4 B x {p_trainable:,} / {W}" + (
+            f" + 4 B x {p_trainable:,} (unsharded fp32, held through {grad_accum} accumulation micro-batches)"
+            if grad_accum > 1 else ""),
+        "optimizer": f"8 B x {p_trainable:,} / {W} (AdamW, 2 fp32 moments)",
+        "features": f"{resident_feature_objects} object(s) x {T} x ({taps} + 1) x {cfg.target_hidden_size} x 2 B"
+                    + (" (the micro-batch computing + the next one's copy; a step's objects wait in pinned host "
+                       "memory)" if producers else ""),
+        "activations": (f"saved for backward at S={T}, Q={Q}, L={T + Q}: context, {cfg.num_hidden_layers} layers "
+                        "(incl. the context-side K/V of every layer), memory-efficient attention "
+                        "(regen/train/memory.py, checked against CPU measurement)"),
+        "loss": f"fused loss: {Q} x {cfg.hidden_size} x 4 B + {Q} x {cfg.markov_rank} x 4 B + {v_out} x "
+                f"{cfg.markov_rank} x 4 B + a chunk's 6 x 2^25 x 4 B",
+    }
