@@ -120,17 +120,10 @@ def cells_table(run_root: Path) -> tuple[list[str], list[list]]:
 
 def engine_cells_table(run_root: Path) -> tuple[list[str], list[list]]:
     """(columns, rows) of the engine's acc_len per cell in `<run>/engine-eval.json` (the draft served by llama.cpp,
-    one row per weight type and cell) beside regen's replay of the same prompts under the engine's budget rule;
-    ([], []) before `regen engine-eval` has run or for a file written before the cells existed."""
-    ee = read_json(Path(run_root) / "engine-eval.json") or {}
-    replay = {(c["category"], c["length_band"], c["mode"]): c for c in
-              (((ee.get("regen") or {}).get("cells") or {}).get("engine_budget_rule") or {}).get("cells", [])}
-    cols = ["weights", "category", "length_band", "mode", "requests", "rounds", "engine acc_len/round",
-            "engine acc_len/request", "regen replay acc_len/round"]
-    rows = []
-    for qtype, r in (ee.get("by_gguf_type") or {}).items():
-        for c in (r.get("cells") or {}).get("cells", []):
-            g = replay.get((c["category"], c["length_band"], c["mode"])) or {}
-            rows.append([qtype, c["category"], c["length_band"], c["mode"], c["num_requests"], c["num_rounds"],
-                         c["acc_len_per_round"], c["acc_len_per_request"], g.get("acc_len_per_round")])
-    return (cols, rows) if rows else ([], [])
+    one row per weight type and cell) beside regen's replay of the same prompts under the engine's budget rule
+    (`regen.serve.engines.spec_eval.engine_cell_rows`); ([], []) before `regen engine-eval` has run or for a file
+    written before the cells existed."""
+    from regen.serve.engines.spec_eval import ENGINE_CELL_COLUMNS, engine_cell_rows
+
+    rows = engine_cell_rows(read_json(Path(run_root) / "engine-eval.json") or {})
+    return (ENGINE_CELL_COLUMNS, rows) if rows else ([], [])

@@ -79,9 +79,13 @@ def figures(requests: list[tuple[dict, list]], block_size: int) -> dict:
     }
 
 
-def breakdown(requests: list[tuple[dict, list]], block_size: int) -> dict:
+def breakdown(requests: list[tuple[dict, list]], block_size: int, *, measure=None, averaging: dict | None = None
+              ) -> dict:
     """{"cells": [{category, length_band, mode, **figures}], "by": {dimension: {value: figures}}, "averaging"}
-    over `(prompt, rounds)` pairs of one draft, cells sorted by category, band, mode."""
+    over `(prompt, rounds)` pairs of one draft, cells sorted by category, band, mode. `measure(pairs)` computes
+    one group's figures (default `figures(pairs, block_size)`; the engine's counters take their own:
+    `regen.serve.engines.spec_eval.engine_breakdown`), `averaging` says how (default AVERAGING)."""
+    measure = measure or (lambda g: figures(g, block_size))
     groups: dict = defaultdict(list)
     by: dict = {d: defaultdict(list) for d in DIMENSIONS}
     for p, rs in requests:
@@ -89,12 +93,12 @@ def breakdown(requests: list[tuple[dict, list]], block_size: int) -> dict:
         groups[cell].append((p, rs))
         for d, v in zip(DIMENSIONS, cell):
             by[d][v].append((p, rs))
-    cells = [{"category": c, "length_band": b, "mode": m, **figures(g, block_size)}
+    cells = [{"category": c, "length_band": b, "mode": m, **measure(g)}
              for (c, b, m), g in sorted(groups.items(), key=lambda kv: tuple(str(x) for x in kv[0]))]
     return {"cells": cells,
-            "by": {d: {str(v): figures(g, block_size) for v, g in sorted(vals.items(), key=lambda kv: str(kv[0]))}
+            "by": {d: {str(v): measure(g) for v, g in sorted(vals.items(), key=lambda kv: str(kv[0]))}
                    for d, vals in by.items()},
-            "overall": figures(requests, block_size), "averaging": AVERAGING}
+            "overall": measure(requests), "averaging": averaging or AVERAGING}
 
 
 def format_cells(out: dict, draft: str = "trained") -> str:

@@ -61,6 +61,7 @@ def test_cli_table_and_report_show_engine_beside_replay(tmp_path):
            "regen": {"cells": {"engine_budget_rule": replay}}}
     table = format_engine_cells(res, "q8_0")
     row = next(ln for ln in table.splitlines() if ln.startswith("| coding | short"))
+    assert row.split(" | ")[3:5] == ["2", "40"]  # requests and rounds: whole numbers
     assert "1.200" in row and "1.300" in row and "1.250" in row and "-0.050" in row
     assert format_engine_cells({"by_gguf_type": {"q8_0": {}}}, "q8_0") == ""
     (tmp_path / "engine-eval.json").write_text(json.dumps(res))

@@ -109,62 +109,59 @@ def engine_breakdown(prompts: list[dict], results: list[dict], block_size: int) 
     (the share of the cell's rounds whose draft k+1 was accepted: llama.cpp's per-position counter / drafts,
     unconditional) and accepted_draft_tokens. The engine reports no per-round proposal lengths, so the
     conditional per-position rate of `regen eval` is not available here."""
-    from collections import defaultdict
-
-    from regen.train.eval_cells import AVERAGING, DIMENSIONS, cell_of
+    from regen.train.eval_cells import AVERAGING, breakdown
 
     if len(prompts) != len(results):
         raise ValueError(f"engine_breakdown: {len(prompts)} prompts but {len(results)} results")
 
-    def figures(rs: list[dict]) -> dict:
+    def figures(pairs: list[tuple[dict, dict]]) -> dict:
+        rs = [r for _, r in pairs]
         s = summarize_engine(rs, block_size)
         r6 = (lambda x: None if x is None else round(x, 6))  # noqa: E731
         return {"num_requests": len(rs), "num_requests_without_rounds": sum(1 for r in rs if not r["drafts"]),
-                "num_rounds": s["num_rounds"], "acc_len_per_round": r6(s["acc_len"]),
-                "acc_len_per_request": r6(s["acc_len_per_request"]), "accepted_draft_tokens": s["accepted_draft_tokens"],
+                "num_rounds": int(s["num_rounds"]), "acc_len_per_round": r6(s["acc_len"]),  # counters: whole numbers
+                "acc_len_per_request": r6(s["acc_len_per_request"]),
+                "accepted_draft_tokens": int(s["accepted_draft_tokens"]),
                 "position_acceptance": [r6(s["accept_rate_per_position"][str(k)]) for k in range(block_size)]}
 
-    groups: dict = defaultdict(list)
-    by: dict = {d: defaultdict(list) for d in DIMENSIONS}
-    for p, r in zip(prompts, results):
-        cell = cell_of(p)
-        groups[cell].append(r)
-        for d, v in zip(DIMENSIONS, cell):
-            by[d][v].append(r)
-    order = lambda kv: tuple(str(x) for x in kv[0])  # noqa: E731
-    return {"cells": [{"category": c, "length_band": b, "mode": m, **figures(g)}
-                      for (c, b, m), g in sorted(groups.items(), key=order)],
-            "by": {d: {str(v): figures(g) for v, g in sorted(vals.items(), key=lambda kv: str(kv[0]))}
-                   for d, vals in by.items()},
-            "overall": figures(results),
-            "averaging": {k: AVERAGING[k] for k in ("acc_len_per_round", "acc_len_per_request")} | {
-                "position_acceptance": "per position k: llama.cpp's accepted-at-position-k counter / the cell's "
-                                       "drafts (unconditional)"}}
+    return breakdown(list(zip(prompts, results)), block_size, measure=figures, averaging={
+        k: AVERAGING[k] for k in ("acc_len_per_round", "acc_len_per_request")} | {
+        "position_acceptance": "per position k: llama.cpp's accepted-at-position-k counter / the cell's drafts "
+                               "(unconditional)"})
+
+
+ENGINE_CELL_COLUMNS = ["weights", "category", "length band", "mode", "requests", "rounds", "engine acc_len/round",
+                       "engine acc_len/request", "regen replay acc_len/round", "engine - replay"]
+
+
+def engine_cell_rows(res: dict) -> list[list]:
+    """One row per weight type and cell of an engine-eval result (`ENGINE_CELL_COLUMNS`): the engine's acc_len per
+    round and per request beside regen's replay of the same prompts under the engine's budget rule, and the
+    difference (None where a figure is missing); [] when `res` has no per-cell figures."""
+    replay = {(c["category"], c["length_band"], c["mode"]): c
+              for c in (((res.get("regen") or {}).get("cells") or {}).get("engine_budget_rule") or {}).get("cells", [])}
+    rows = []
+    for qtype, r in (res.get("by_gguf_type") or {}).items():
+        for c in (r.get("cells") or {}).get("cells", []):
+            g = (replay.get((c["category"], c["length_band"], c["mode"])) or {}).get("acc_len_per_round")
+            e = c["acc_len_per_round"]
+            rows.append([qtype, c["category"], c["length_band"], c["mode"], c["num_requests"], c["num_rounds"], e,
+                         c["acc_len_per_request"], g, None if e is None or g is None else round(e - g, 6)])
+    return rows
 
 
 def format_engine_cells(res: dict, gguf_type: str) -> str:
-    """A markdown table per cell: the engine's acc_len per round and per request beside regen's replay of the same
-    prompts under the engine's budget rule, and the difference; '' when `res` has no per-cell figures."""
-    cells = ((res.get("by_gguf_type") or {}).get(gguf_type) or {}).get("cells")
-    if not cells:
+    """`engine_cell_rows` of one weight type as a markdown table; '' when `res` has no per-cell figures."""
+    rows = [r[1:] for r in engine_cell_rows(res) if r[0] == gguf_type]
+    if not rows:
         return ""
-    replay = {(c["category"], c["length_band"], c["mode"]): c
-              for c in (((res.get("regen") or {}).get("cells") or {}).get("engine_budget_rule") or {}).get("cells", [])}
 
-    def num(x):
-        return "-" if x is None else f"{x:.3f}"
+    def cell(x):
+        return "-" if x is None else f"{x:.3f}" if isinstance(x, float) else str(x)
 
-    head = ["category", "length band", "mode", "requests", "rounds", "engine acc_len/round", "engine acc_len/request",
-            "regen replay acc_len/round", "engine - replay"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for c in cells["cells"]:
-        g = (replay.get((c["category"], c["length_band"], c["mode"])) or {}).get("acc_len_per_round")
-        e = c["acc_len_per_round"]
-        lines.append("| " + " | ".join([str(c["category"]), c["length_band"] or "-", c["mode"] or "-",
-                                        str(c["num_requests"]), str(int(c["num_rounds"])), num(e),
-                                        num(c["acc_len_per_request"]), num(g),
-                                        num(None if e is None or g is None else e - g)]) + " |")
-    return "\n".join(lines)
+    head = ENGINE_CELL_COLUMNS[1:]
+    return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+                     + ["| " + " | ".join(cell(x) for x in r) + " |" for r in rows])
 
 
 def lossless(reference: list[dict], with_draft: list[dict]) -> dict:
