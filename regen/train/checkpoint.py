@@ -100,7 +100,7 @@ def save_checkpoint(train_dir: Path, step: int, model, optimizer, scheduler, fee
     """
     from regen.train.collectives import control_all_gather_object, control_barrier
     from regen.train.guard import describe
-    from regen.train.parallel import gathered_model_state, raise_if_any_rank_failed
+    from regen.train.parallel import raise_if_any_rank_failed
     from regen.train.sharded_state import hash_own_files, nonfinite_local, save_sharded, sharded_state
 
     draft, prefix = _draft_of(model)
@@ -150,19 +150,30 @@ def save_checkpoint(train_dir: Path, step: int, model, optimizer, scheduler, fee
         hashed = [None] * world
         control_all_gather_object(hashed, own)
     # 3. the servable export: the trainable weights gathered to rank 0 (the frozen embed_tokens/lm_head never)
-    weights = gathered_model_state(
-        model, lambda name: include_frozen or not name.removeprefix(prefix).startswith(FROZEN_PREFIXES))
+    weights = servable_weights(model, include_frozen=include_frozen)
     if is_main:
         try:
             files = {k: v for h in hashed for k, v in h.items()}
-            _write_step_folder(train_dir, root, final, tmp, step, draft, _strip(weights, prefix), files, scheduler,
-                               feed, training, keep)
+            _write_step_folder(train_dir, root, final, tmp, step, draft, weights, files, scheduler, feed, training,
+                               keep)
         except OSError as exc:
             error = failed(exc, "rank 0")
     del weights
     raise_if_any_rank_failed(error)
     control_barrier()  # the others wait under the control plane's timeout, not the NCCL watchdog's
     return final
+
+
+def servable_weights(model, *, include_frozen: bool = False) -> dict:
+    """The draft's weights as its step folder's model.safetensors holds them (names without the sharded root's
+    prefix), gathered to rank 0 on CPU ({} elsewhere): the trainable weights and buffers, and the frozen
+    embed_tokens/lm_head only with `include_frozen` (they are the target's and never leave it otherwise).
+    Collective (`regen.train.parallel.gathered_model_state`)."""
+    from regen.train.parallel import gathered_model_state
+
+    _, prefix = _draft_of(model)
+    keep = lambda name: include_frozen or not name.removeprefix(prefix).startswith(FROZEN_PREFIXES)  # noqa: E731
+    return _strip(gathered_model_state(model, keep), prefix)
 
 
 def _write_step_folder(train_dir, root, final, tmp, step, draft, weights, files, scheduler, feed, training,

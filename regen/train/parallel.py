@@ -174,7 +174,7 @@ def gathered_model_state(model: nn.Module, keep=None) -> dict[str, torch.Tensor]
     embed_tokens/lm_head, replicated and the target's)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    main = dist.get_rank() == 0
+    main = not dist.is_initialized() or dist.get_rank() == 0
     out = {}
     for name, value in get_model_state_dict(model).items():
         if keep is not None and not keep(name):

@@ -152,19 +152,18 @@ class PeriodicEval:
         import torch.distributed as dist
         from safetensors.torch import save_file
 
-        from regen.train.checkpoint import _draft_of, _strip
-        from regen.train.model import CONFIG_NAME, FROZEN_PREFIXES, WEIGHTS_NAME
-        from regen.train.parallel import full_model_state
+        from regen.train.checkpoint import _draft_of, servable_weights
+        from regen.train.model import CONFIG_NAME, WEIGHTS_NAME
         from schemas.io import write_json_atomic
 
-        draft, prefix = _draft_of(model)
-        state = _strip(full_model_state(model), prefix)
+        draft, _ = _draft_of(model)
+        state = servable_weights(model)  # the step folders' own export: the frozen target tensors never gathered
         if self.is_main:
             tmp, final = self.train_dir / f".tmp-{BEST}", self.train_dir / BEST
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
-            save_file({k: v.contiguous() for k, v in state.items() if not k.startswith(FROZEN_PREFIXES)},
-                      str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+            save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / WEIGHTS_NAME),
+                      metadata={"format": "pt"})
             write_json_atomic(draft.config.to_dict(), tmp / CONFIG_NAME)
             write_json_atomic({k: rec[k] for k in ("step", "acc_len_estimate", "acc_len_estimate_per_request",
                                                    "num_rows", "method")}, tmp / "best.json")
