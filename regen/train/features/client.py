@@ -11,9 +11,10 @@ the ranks agree on it (`FeaturePool.fetch_step`). Nothing is on the device yet b
 `features_of(batch)` hands the loss exactly what `TargetFeatures.features` would: (taps [B, S, T·Ht],
 last_hidden [B, S, Ht]) in the feature dtype, on the rank's device; it issues the asynchronous device copy of the
 next micro-batch before it returns (`regen.train.features.staging`), applies the target's final norm when the
-producer declared its last hidden state pre-norm, and refuses non-finite values (`contract.check_values`, on the
-device, queued on the copy stream: its one host read per micro-batch waits for the copy, not for the training
-stream's queued compute; a breach stops this rank, and torchrun stops the others). `release(batch)`
+producer declared its last hidden state pre-norm, and checks the values (`contract.check_values`, on the device,
+queued on the copy stream: its one host read per micro-batch waits for the copy, not for the training stream's
+queued compute); a non-finite object is not raised there, mid-step, but recorded for `take_breaches`, and
+`regen.train.step.train_step` makes the step non-finite on every rank with it. `release(batch)`
 (`regen.train.step.train_step`, after the micro-batch's backward) frees its device slot, so at most
 `staging.DEVICE_RESIDENT_OBJECTS` (2) objects are on the device at once, whatever grad_accum.
 
@@ -114,9 +115,7 @@ class RemoteFeatures:
                 n = self.store.size(r["key"])
                 staged, view = self.staging.stage_into(lambda buf: self.store.get_into(r["key"], buf, n), n, key)
                 try:
-                    header = read_header(view)
-                    check_header(header, self.spec, epoch=mb.epoch, index=mb.index, input_ids=mb.input_ids,
-                                 attention_mask=mb.attention_mask)
+                    header = self._checked_header(view, mb)
                     self.staging.locate(staged, header)
                 except BaseException:
                     self.staging.discard(staged)
@@ -126,9 +125,7 @@ class RemoteFeatures:
             else:  # a store with only `get`: its buffer, then one host copy into a slot
                 view, handle = self.store.get(r["key"])
                 try:
-                    header = read_header(view)
-                    check_header(header, self.spec, epoch=mb.epoch, index=mb.index, input_ids=mb.input_ids,
-                                 attention_mask=mb.attention_mask)
+                    header = self._checked_header(view, mb)
                     staged = self.staging.stage(view, header, key)  # the store's object can go after this
                 finally:
                     del view, handle
@@ -140,6 +137,13 @@ class RemoteFeatures:
         if self._queue:  # the first micro-batch's device copy runs while the step's loss weights are computed
             self.staging.issue(next(iter(self._queue.values()))[0])
         return failures
+
+    def _checked_header(self, view, mb) -> dict:
+        """The object's header, checked against the rank's own micro-batch `mb`. Raises FeatureContractError."""
+        header = read_header(view)
+        check_header(header, self.spec, epoch=mb.epoch, index=mb.index, input_ids=mb.input_ids,
+                     attention_mask=mb.attention_mask)
+        return header
 
     def features_of(self, batch: dict):
         """(taps, last_hidden) of a batch prepared from a fetched micro-batch (`batch["key"]` = (epoch, index)), on
