@@ -50,12 +50,13 @@ NEAR = 8  # distances 1…NEAR reported one by one, the rest summed
 def probe_rows(run, cfg, split: str, limit: int) -> list[dict]:
     """Rows of `run.shards` exactly as the trainer's feed (`regen.train.feed.ShardFeed`) takes them, in manifest
     order: {input_ids int list, loss_mask bool list}, cut to `train.max_len` on the `train.truncate` side, short
-    rows dropped, shard checksums checked; the held-out prompts of `train.heldout_fraction`
-    (`regen.train.eval.is_heldout`) for `split="heldout"`, the training ones otherwise; at most `limit`.
+    rows dropped, shard checksums checked; the held-out prompts of `train.heldout_fraction` and
+    `train.heldout_per_cell` (`regen.train.heldout.heldout_split`) for `split="heldout"`, the training ones
+    otherwise; at most `limit`.
     Raises InputError for a missing manifest, a changed shard, or `--split heldout` with nothing held out."""
     from regen.errors import InputError
-    from regen.train.eval import is_heldout
     from regen.train.feed import ShardFeed
+    from regen.train.heldout import heldout_split
     from regen.train.loop import feed_config
 
     frac = cfg.heldout_fraction
@@ -64,7 +65,8 @@ def probe_rows(run, cfg, split: str, limit: int) -> list[dict]:
                          "--set train.heldout_fraction=0.15 (the prompts the draft did not train on)")
     # one row per micro-batch, no shuffle, no length bucketing: the rows in manifest order, unpadded
     fc = dataclasses.replace(feed_config(cfg), max_batch=1, shuffle_buffer=1, bucket_window=1)
-    skip = (lambda pid: not is_heldout(pid, frac)) if split == "heldout" else None  # None: the held-out skipped
+    held = heldout_split(run, frac, cfg.heldout_per_cell)
+    skip = (lambda pid: not held(pid)) if split == "heldout" else held  # skip(pid) True: the row is left out
     out = []
     for step in ShardFeed(run.shards, fc, heldout=skip).steps(num_epochs=1):
         for mb in step.microbatches:

@@ -15,7 +15,8 @@
    Each arm's reduced draft vocabulary comes from its own training data, as `regen train` does.
 4. Both are measured with the eval stage (`regen.train.eval.run_eval`, spec §7: greedy verification against the
    target, bonus token counted) on the same held-out prompts of the run (`<run>/shards`, the prompts
-   `regen eval` measures; neither arm trained on them: `is_heldout` is by prompt id), beside the untrained
+   `regen eval` measures; neither arm trained on them: the split is by prompt id, its per-cell picks from the
+   run's selection, copied beside each arm's shards), beside the untrained
    draft of the same config and seed. With `--temperature T` the same drafts are also measured under
    speculative rejection sampling at T (the paper's tables use T = 1; `regen eval --temperature`), reported
    under `"sampled"` beside the greedy figures, never in their place.
@@ -37,6 +38,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 import argparse
 import json
 import os
+import shutil
 import time
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -150,6 +152,10 @@ def main(argv=None) -> int:
     subsets = {}
     for arm in ARMS:
         subsets[arm], n = write_subset(rows[arm], common, sets[arm].manifest(sets[arm].shards), bench_dir / arm)
+        # the run's selection beside each arm's shards: the trainer's held-out split (train.heldout_per_cell's
+        # picks) comes from it, so both arms leave out exactly the prompts run_eval measures
+        if run.prompts.is_dir():
+            shutil.copytree(run.prompts, subsets[arm].prompts, dirs_exist_ok=True)
         print(f"{arm}: {n} rows of {len(common)} common prompts -> {subsets[arm].shards}", flush=True)
 
     per_seed = []

@@ -106,7 +106,11 @@ def main() -> int:
     run = RunDir.at(args.run)
     step = resolve_step_folder(args.draft or run.train)
     K = DSparkConfig.from_json(step / "config.json").block_size
-    prompts = heldout_prompts(run, profile.train.heldout_fraction, args.prompts)
+    from regen.train.heldout import eval_heldout_split
+
+    held, _ = eval_heldout_split(run, profile.train.heldout_fraction, profile.train.heldout_per_cell,
+                                 {"trained": step})
+    prompts = heldout_prompts(run, held, args.prompts)
     levels = [int(x) for x in args.in_flight.split(",")]
     ensure_engine_gguf(profile.serve, args.gguf_type, log=lambda *_: None)
     serve = profile.serve.model_copy(update={"gguf_type": args.gguf_type})

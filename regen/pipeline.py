@@ -123,8 +123,9 @@ def step_eval(train: TrainConfig, run: RunDir) -> dict:
     already measured that checkpoint with the same settings returns it without measuring again. Returns
     {"skipped": reason} when no shard row is held out (a run of a few prompts)."""
     from regen.train.eval import heldout_prompts, resolve_draft_dir, run_eval
+    from regen.train.heldout import heldout_split
 
-    if not heldout_prompts(run, train.heldout_fraction, 1):
+    if not heldout_prompts(run, heldout_split(run, train.heldout_fraction, train.heldout_per_cell), 1):
         return {"skipped": f"no held-out prompt among the shards at train.heldout_fraction={train.heldout_fraction}"}
     draft = resolve_draft_dir(run.train)
     done = read_json(run.root / "eval.json")

@@ -172,6 +172,10 @@ class TrainConfig(BaseModel):
                                  "truncation are left out (spec §5)")
     heldout_fraction: float = Field(0.05, description="share of prompts kept out of training for `regen eval` "
                                     "(regen.train.eval.is_heldout)")
+    heldout_per_cell: int = Field(0, ge=0, description="held-out prompts wanted per category x length band x mode "
+                                  "cell of the first selection, added to the fraction's where it has fewer (at most "
+                                  "half a cell, or its one prompt; regen.train.heldout.cell_picks); 0 = the "
+                                  "fraction alone")
     on_bad_shard: Literal["error", "skip"] = Field("error", description="a shard whose checksum or rows do not match "
                                                    "its manifest: stop, or leave it out on every rank")
     follow_poll_s: float = Field(10.0, description="--follow: seconds between looks for new shards")

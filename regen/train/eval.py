@@ -24,8 +24,9 @@ The first token is drawn from the prefill at T and not counted; τ and accept_ra
 from one `torch.Generator` per prompt seeded by (seed, prompt_id): a run is reproducible, and every draft
 meets the same random stream on a prompt.
 
-Held-out prompts: `is_heldout(prompt_id, fraction)` (a sha256 bucket of the prompt id); the trainer's feed
-drops the same prompts (`regen.train.feed`), so evaluation never sees a trained-on prompt. The prompt of a shard row
+Held-out prompts: `regen.train.heldout.HeldoutSplit` (a sha256 bucket of the prompt id, `is_heldout`, and per-cell
+picks so every cell of the selection is measured); the trainer's feed drops the same prompts (`regen.train.feed`),
+so evaluation never sees a trained-on prompt. The prompt of a shard row
 is its `input_ids` before the first loss span (first turn, as in DS).
 """
 from __future__ import annotations
@@ -36,16 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from regen.train.eval_cells import breakdown, format_cells, prompt_labels
+from regen.train.heldout import HELDOUT_BUCKETS, is_heldout  # noqa: F401 (the bucket rule's public home was here)
 
-HELDOUT_BUCKETS = 1_000_000
-
-
-def is_heldout(prompt_id: str, fraction: float) -> bool:
-    """True for the `fraction` of prompt ids kept out of training: sha256(prompt_id) mod 10⁶ < fraction·10⁶."""
-    if fraction <= 0:
-        return False
-    h = int(hashlib.sha256(prompt_id.encode("utf-8")).hexdigest(), 16)
-    return h % HELDOUT_BUCKETS < round(fraction * HELDOUT_BUCKETS)
 
 
 @dataclass(frozen=True)
@@ -135,14 +128,17 @@ def resolve_draft_dir(path: str | Path) -> Path:
                      "checkpoint folder such as runs/local/train/checkpoints/step-000100")
 
 
-def heldout_prompts(run, fraction: float, num_prompts: int | None) -> list[dict]:
-    """Held-out rows of `run.shards` (one per prompt_id, ordered by hash; the first `num_prompts`, None = all):
-    {prompt_id, category, prompt_ids, length_band, mode} (band and mode from the selection,
-    `regen.train.eval_cells.prompt_labels`)."""
+def heldout_prompts(run, heldout, num_prompts: int | None) -> list[dict]:
+    """Held-out rows of `run.shards` (one per prompt_id; the first `num_prompts` in `regen.train.heldout.eval_order`,
+    round robin over the cells; None = all): {prompt_id, category, prompt_ids, length_band, mode} (band and mode
+    from the selection, `regen.train.eval_cells.prompt_labels`). `heldout`: a `regen.train.heldout.HeldoutSplit`,
+    or a fraction (the sha256 bucket alone)."""
     import pyarrow.parquet as pq
 
     from regen.errors import InputError
+    from regen.train.heldout import as_split, eval_order
 
+    split = as_split(heldout)
     manifest = run.manifest(run.shards)
     if not manifest or not manifest.get("shards"):
         raise InputError(f"{run.shards}/manifest.json lists no shards: run `regen render` first")
@@ -151,15 +147,15 @@ def heldout_prompts(run, fraction: float, num_prompts: int | None) -> list[dict]
         t = pq.read_table(run.shards / entry["path"], columns=["prompt_id", "category", "input_ids", "loss_spans"])
         for row in t.to_pylist():
             pid = row["prompt_id"]
-            if pid in seen or not row["loss_spans"] or not is_heldout(pid, fraction):
+            if pid in seen or not row["loss_spans"] or not split(pid):
                 continue
             start = row["loss_spans"][0]["start"]
             if start > 0:
                 seen[pid] = {"prompt_id": pid, "category": row["category"] or "unknown",
                              "prompt_ids": row["input_ids"][:start]}
-    order = sorted(seen, key=lambda pid: hashlib.sha256(pid.encode()).hexdigest())
     labels = prompt_labels(run)
-    return [{**seen[pid], **labels.get(pid, {})} for pid in (order if num_prompts is None else order[:num_prompts])]
+    ordered = eval_order([{**p, **labels.get(pid, {})} for pid, p in seen.items()])
+    return ordered if num_prompts is None else ordered[:num_prompts]
 
 
 def greedy_reference(target, prompt_ids: list[int], num_tokens: int, stop_ids) -> tuple[list[int], list[int], object]:
@@ -439,9 +435,11 @@ def run_eval(cfg, run, *, draft_dir, seed: int | None = None, num_prompts: int =
             raise InputError(f"--compare {name}={other}: block_size {ocfg.block_size} differs from the draft's "
                              f"{dcfg.block_size}; compare drafts of one block size")
         others[name] = odir
-    from regen.train.heldout import eval_heldout_fraction
+    from regen.train.heldout import eval_heldout_split, first_selection_cells
 
-    fraction, heldout = eval_heldout_fraction(getattr(cfg, "heldout_fraction", 0.05), {"trained": ddir, **others})
+    held, heldout = eval_heldout_split(run, getattr(cfg, "heldout_fraction", 0.05),
+                                       getattr(cfg, "heldout_per_cell", 0), {"trained": ddir, **others})
+    fraction = held.fraction
     if cfg.target_layer_ids:
         contract.check({"target_layer_ids": list(cfg.target_layer_ids),
                         "aux_hidden_stream": cfg.aux_hidden_stream}, "the profile's train section")
@@ -461,13 +459,18 @@ def run_eval(cfg, run, *, draft_dir, seed: int | None = None, num_prompts: int =
     eos = getattr(gen, "eos_token_id", None) if gen is not None else None
     stop = sorted({*(eos if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else [])),
                    *dcfg.eos_token_id})
-    split = heldout_prompts(run, fraction, None)
+    split = heldout_prompts(run, held, None)
     prompts = split[:num_prompts]
+    measured = {(p.get("category") or "unknown", p.get("length_band"), p.get("mode")) for p in prompts}
+    selected = {(c or "unknown", b, m) for c, b, m in first_selection_cells(run).values()}
     heldout.update(num_heldout_prompts=len(split), num_evaluated=len(prompts),
-                   which="the first num_prompts held-out prompts by sha256(prompt_id)")
+                   which="the first num_prompts held-out prompts, round robin over the cells, each cell's by "
+                         "sha256(prompt_id) (regen.train.heldout.eval_order)",
+                   cells_selected=len(selected), cells_measured=len(measured & selected),
+                   cells_not_measured=[list(c) for c in sorted(selected - measured, key=lambda c: tuple(map(str, c)))])
     if not prompts:
         raise InputError(f"no held-out prompts in {run.shards} at heldout_fraction={fraction}: raise "
-                         "train.heldout_fraction (and retrain) or add prompts")
+                         "train.heldout_fraction or train.heldout_per_cell (and retrain) or add prompts")
     res = evaluate(target, drafts, prompts, max_new_tokens=max_new_tokens,
                    stop_ids=stop, block_size=dcfg.block_size, confidence_threshold=confidence_threshold,
                    progress=progress)

@@ -66,6 +66,7 @@ class FeedConfig:
     bucket_window: int = 64  # samples sorted by length together; 1 = no bucketing
     min_loss_tokens: int = 14  # spec §5: rows with fewer supervised tokens are dropped
     heldout_fraction: float = 0.0  # prompts with regen.train.eval.is_heldout(prompt_id, f) are never trained on
+    heldout_picks: str = ""  # sha256 of the per-cell held-out picks (regen.train.heldout.HeldoutSplit); "" = none
     pad_id: int = 0
     on_bad_shard: str = "error"  # error | skip
     poll_s: float = 2.0  # follow mode: manifest polling interval
@@ -76,7 +77,8 @@ class FeedConfig:
         keys = ("seed", "max_len", "truncate", "max_tokens", "max_batch", "shuffle_buffer", "bucket_window",
                 "min_loss_tokens", "heldout_fraction")
         d = asdict(self)
-        return {k: d[k] for k in keys}
+        # the picks enter the signature only when there are some: a checkpoint written before them resumes as it did
+        return {k: d[k] for k in keys} | ({"heldout_picks": self.heldout_picks} if self.heldout_picks else {})
 
     def signature(self) -> str:
         return hashlib.sha256(json.dumps(self.stream_fields(), sort_keys=True).encode()).hexdigest()[:16]

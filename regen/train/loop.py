@@ -270,7 +270,7 @@ def _train(cfg, run, info, target_path: Path, train_dir: Path, *, follow: bool,
     from regen.train.draft_vocab import draft_vocabulary
     from regen.train.feed import ShardFeed
     from regen.train.parallel import shard_model
-    from regen.train.heldout import HELDOUT_RULE
+    from regen.train.heldout import heldout_split
     from regen.train.resume import check_resume, resume_key
     from regen.train.target import TargetContract, TargetFeatures, declared_contract
     from transformers import AutoConfig
@@ -302,8 +302,11 @@ def _train(cfg, run, info, target_path: Path, train_dir: Path, *, follow: bool,
                              "the target's tokenizer; set render.tokenizer to the target's and re-render")
 
     # -- data -----------------------------------------------------------------------------------------------
-    feed = ShardFeed(run.shards, feed_config(cfg), rank=info.rank, world_size=info.world_size,
-                     grad_accum=cfg.grad_accum, follow=follow)
+    held = heldout_split(run, cfg.heldout_fraction, cfg.heldout_per_cell)  # same on every rank: from the selection
+    fc = dataclasses.replace(feed_config(cfg), heldout_picks=held.picks_sha256 if held.picks else "")
+    feed = ShardFeed(run.shards, fc, rank=info.rank, world_size=info.world_size,
+                     grad_accum=cfg.grad_accum, follow=follow,
+                     heldout=held if held.fraction > 0 or held.picks else None)
     resume_from, fallback = agreed_resume(train_dir, info)
     init = warm_start.prepare(cfg, draft_cfg, resume_from, info.is_main)  # train.init_from (regen.train.warm_start)
     vocab_ids, vocab_report = (warm_start.vocabulary(init) if init is not None and init.d2t is not None
@@ -364,14 +367,14 @@ def _train(cfg, run, info, target_path: Path, train_dir: Path, *, follow: bool,
     training_meta = {"profile_train": cfg.model_dump(), "target": str(target_path), "world_size": info.world_size,
                      "shards_manifest": str(manifest_path), "draft_vocab": vocab_report, "dtype": dtypes,
                      "init_from": warm, "resume_key": key,
-                     "heldout": {"fraction": cfg.heldout_fraction, "rule": HELDOUT_RULE},
+                     "heldout": held.record(),
                      "resume": {"from": str(resume_from) if resume_from else None, "fallback": fallback,
                                 "changes": changes}}
-    if info.is_main:  # the held-out split `regen eval` must keep to (regen.train.heldout.eval_heldout_fraction)
+    if info.is_main:  # the held-out split `regen eval` must keep to (regen.train.heldout.eval_heldout_split)
         from schemas.io import write_json_atomic
 
         train_dir.mkdir(parents=True, exist_ok=True)
-        write_json_atomic({"fraction": cfg.heldout_fraction, "rule": HELDOUT_RULE, "shards": key["shards"],
+        write_json_atomic({**held.record(), "shards": key["shards"],
                            "num_shards": key["num_shards"]}, train_dir / "heldout.json")
     num_epochs = cfg.epochs if cfg.epochs > 0 else None  # ends at the first of max_steps and epochs
     pool, source = None, target
@@ -379,7 +382,7 @@ def _train(cfg, run, info, target_path: Path, train_dir: Path, *, follow: bool,
         from regen.train.features.pool import FeaturePool
 
         pool = FeaturePool.for_training(
-            cfg, info=info, run=run, follow=follow, feed_cfg=feed_config(cfg), feed_state=feed.state_dict(),
+            cfg, info=info, run=run, follow=follow, feed_cfg=fc, heldout=feed.heldout, feed_state=feed.state_dict(),
             dtype=str(target_dtype).removeprefix("torch."), head=target, contract=contract, train_dir=train_dir,
             target_path=str(target_path), num_epochs=num_epochs,
             num_steps=min(total_steps - step, stop_after_steps) if stop_after_steps else total_steps - step)

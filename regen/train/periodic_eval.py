@@ -32,14 +32,17 @@ CURVE = "periodic_eval.jsonl"
 BEST = "best"
 
 
-def heldout_rows(run, fraction: float, num_rows: int, max_len: int) -> list[dict]:
-    """Up to `num_rows` held-out shard rows (one per prompt, ordered by hash as `regen eval` orders them):
-    {prompt_id, input_ids (first `max_len`), first: the first supervised position}."""
+def heldout_rows(run, heldout, num_rows: int, max_len: int) -> list[dict]:
+    """Up to `num_rows` held-out shard rows (one per prompt, ordered by hash): {prompt_id, input_ids (first
+    `max_len`), first: the first supervised position}. `heldout`: a `regen.train.heldout.HeldoutSplit` or a
+    fraction (the sha256 bucket alone)."""
     import hashlib
 
     import pyarrow.parquet as pq
 
-    from regen.train.eval import is_heldout
+    from regen.train.heldout import as_split
+
+    split = as_split(heldout)
 
     manifest = run.manifest(run.shards) or {}
     seen: dict[str, dict] = {}
@@ -47,7 +50,7 @@ def heldout_rows(run, fraction: float, num_rows: int, max_len: int) -> list[dict
         t = pq.read_table(Path(run.shards) / entry["path"], columns=["prompt_id", "input_ids", "loss_spans"])
         for row in t.to_pylist():
             pid = row["prompt_id"]
-            if pid in seen or not row["loss_spans"] or not is_heldout(pid, fraction):
+            if pid in seen or not row["loss_spans"] or not split(pid):
                 continue
             first = row["loss_spans"][0]["start"]
             if 0 < first < min(len(row["input_ids"]), max_len) - 1:
@@ -75,7 +78,10 @@ class PeriodicEval:
             raise InputError(f"train.eval_every={cfg.eval_every} needs the target's features in the trainer "
                              f"(train.features: in_process; it is {cfg.features!r}: the producers make no features "
                              "of held-out rows); set train.eval_every: 0 and measure with `regen eval` after training")
-        self.rows = heldout_rows(run, cfg.heldout_fraction, cfg.eval_rows, cfg.max_len)
+        from regen.train.heldout import heldout_split
+
+        self.rows = heldout_rows(run, heldout_split(run, cfg.heldout_fraction, cfg.heldout_per_cell), cfg.eval_rows,
+                                 cfg.max_len)
         if not self.rows:
             raise InputError(f"train.eval_every={cfg.eval_every}: no held-out rows in {run.shards} at "
                              f"train.heldout_fraction={cfg.heldout_fraction}; raise it or set train.eval_every: 0")

@@ -47,6 +47,8 @@ def test_one_round_generates_only_the_new_prompts_and_trains_on_from_the_last_dr
     assert meta["init_from"]["path"] == ev0["draft"] and meta["init_from"]["layout"] == "regen"
     ev1 = json.loads((run.root / "eval-loop-01.json").read_text())
     assert ev1["num_prompts"] == ev0["num_prompts"]  # the same held-out prompts: new prompts are never held out
+    # the per-cell picks come from the first selection only: the round's new part does not move them
+    assert ev0["heldout"]["per_cell"] == 2 and ev1["heldout"]["picks_sha256"] == ev0["heldout"]["picks_sha256"]
     assert rec["acc_len"] == ev1["trained"]["acc_len"] and ev1["trained"]["breakdown"]["cells"]
     assert (run.root / "loop" / "round-01.md").read_text().startswith("# Loop round 1: policy `weakest`")
     assert (run.root / "train-loop-01" / "tensorboard").is_dir()
@@ -83,6 +85,9 @@ def test_bench_loop_runs_both_arms_from_the_same_draft(small_run, tmp_path, caps
                           "--out", str(tmp_path / "bench")])
     out = capsys.readouterr().out
     assert rc == 0 and "weakest / mix, mean over 1 seed(s):" in out
+    assert "cells measured" in out and "| cell | held-out requests | before | weakest after | mix after |" in out
     res = json.loads((tmp_path / "bench" / "loop.json").read_text())["results"]
     assert [r["policy"] for r in res] == ["weakest", "mix"] and all(0 < r["units_added"] <= 4 for r in res)
     assert res[0]["acc_len_before"] == res[1]["acc_len_before"]  # both arms start from the same evaluated draft
+    assert all(r["cells_measured"] and r["cells_measured"] <= r["cells_selected"] for r in res)
+    assert sum(r["units_per_cell"].get(k, 0) for r in res[:1] for k in r["units_per_cell"]) == res[0]["units_added"]

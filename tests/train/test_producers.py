@@ -117,6 +117,25 @@ def test_producers_through_mooncake_train_the_same_draft_as_in_process(tiny_run,
     assert 0.0 <= f["data_wait_fraction"] <= 1.0 and f["trainer_rows_per_s"] > 0 and f["producer_rows_per_s"] > 0
 
 
+def test_producers_leave_out_the_per_cell_held_out_picks_as_the_trainer_does(tiny_run, tmp_path):
+    """The dispatcher's feed leaves out the same prompts as the trainer's (train.heldout_per_cell's picks): one
+    epoch trains every row but theirs, with features from the producers."""
+    from test_heldout_cells import write_selection
+
+    from regen.train.heldout import heldout_split
+
+    profile, run = tiny_run
+    pids = sorted({r["prompt_id"] for r in _rows(run)})
+    write_selection(run, {p: ("math", ("0-128", "128-512", "512-2K")[i % 3], None) for i, p in enumerate(pids)})
+    picks = heldout_split(RunDir.at(run), 0.0, 2).picks
+    assert len(picks) == 6
+    proc = regen_train(profile, run, PRODUCERS + ["train.max_steps=0", "train.epochs=1", "train.heldout_fraction=0",
+                                                  "train.heldout_per_cell=2"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    trained = {sid for step in samples(run) for sid in step}
+    assert {"p" + sid for sid in trained} == set(pids) - picks
+
+
 @pytest.mark.parametrize("target,dtype", [("tiny", "float32"), ("tiny", "bfloat16"),
                                           ("smollm2", "float32"), ("smollm2", "bfloat16")])
 def test_features_through_the_store_equal_in_process_exactly(tiny_target, tmp_path, target, dtype):

@@ -301,10 +301,13 @@ def run_engine_eval(profile, run, *, draft_dir=None, num_prompts: int | None = N
     t = profile.train
     n = num_prompts or t.eval_prompts or 32
     max_new = max_new_tokens or t.eval_max_new_tokens or 64
-    prompts = heldout_prompts(run, t.heldout_fraction, n)
+    from regen.train.heldout import eval_heldout_split
+
+    held, _ = eval_heldout_split(run, t.heldout_fraction, t.heldout_per_cell, {"trained": ddir})
+    prompts = heldout_prompts(run, held, n)
     if not prompts:
-        raise InputError(f"no held-out prompts in {run.shards} at train.heldout_fraction={t.heldout_fraction}: "
-                         "raise it (and retrain) or add prompts")
+        raise InputError(f"no held-out prompts in {run.shards} at train.heldout_fraction={held.fraction}: "
+                         "raise it or train.heldout_per_cell (and retrain) or add prompts")
     K = cfg.block_size
     logs = run.root / "serve"
     result = {"engine": "llama.cpp", "engine_version": launch["engine_version"], "draft": str(ddir),

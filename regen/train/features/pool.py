@@ -283,10 +283,10 @@ class FeaturePool:
 
     @classmethod
     def for_training(cls, cfg, *, info, run, follow: bool, feed_cfg, feed_state: dict, dtype: str, head, contract,
-                     train_dir: Path, target_path: str, num_epochs, num_steps: int) -> "FeaturePool":
+                     train_dir: Path, target_path: str, num_epochs, num_steps: int, heldout=None) -> "FeaturePool":
         """The pool of one `regen train` run (collective): the feature spec from the target's config and
-        checkpoint (features in `dtype`), the dispatcher's feed (`feed_cfg`) at `feed_state`, the training feed's
-        position after resume."""
+        checkpoint (features in `dtype`), the dispatcher's feed (`feed_cfg`, leaving out what `heldout` holds out,
+        as the training feed does) at `feed_state`, the training feed's position after resume."""
         from regen.train.feed import ShardFeed
         from regen.train.target_head import target_revision
 
@@ -296,7 +296,7 @@ class FeaturePool:
         plan_feed = None
         if info.is_main:
             plan_feed = ShardFeed(run.shards, feed_cfg, rank=0, world_size=info.world_size,
-                                  grad_accum=cfg.grad_accum, follow=follow)
+                                  grad_accum=cfg.grad_accum, follow=follow, heldout=heldout)
             plan_feed.load_state_dict(feed_state)
         pool = cls.start(cfg.producers, info=info, spec=spec, head=head, plan_feed=plan_feed, num_epochs=num_epochs,
                          num_steps=num_steps, max_tokens=cfg.max_tokens, max_batch=cfg.max_batch,
