@@ -57,8 +57,13 @@ def eval_plots(run_root: Path) -> dict[str, tuple[str | None, str]]:
     ax.set_xlabel("acc_len (tokens per verification round)")
     ax.set_title("acc_len per category / length band / mode")
     ax.legend(fontsize=7)
+    held = ev.get("heldout") or {}
+    missing = held.get("cells_not_measured") or []
+    cover = (f"; {held['cells_measured']} of the selection's {held['cells_selected']} cells measured"
+             + (f", not: {', '.join('/'.join(str(x or '-') for x in c) for c in missing)}" if missing else "")
+             if held.get("cells_selected") is not None else "")
     out = {"acc_len_cells": (_png(fig), "acc_len per cell (n = held-out requests; per round: every round weighs the "
-                                        "same, per request: every prompt weighs the same)")}
+                                        f"same, per request: every prompt weighs the same{cover})")}
     fig, ax = plt.subplots(figsize=(6, 3.2))
     k = list(range(1, len(b["overall"]["accept_rate"]) + 1))
     ax.plot(k, b["overall"]["accept_rate"], marker="o", color="#4c72b0", label="accept_rate (given reached)")

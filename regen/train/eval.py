@@ -559,6 +559,11 @@ def main(args) -> int:
                       "eval_json": str(run.eval_json)}, indent=2))
     print(format_table(out))
     print(format_cells(out))
+    held = out.get("heldout") or {}
+    if held.get("cells_selected") is not None:
+        missing = ", ".join("/".join(str(x or "-") for x in c) for c in held.get("cells_not_measured") or [])
+        print(f"cells of the selection measured: {held['cells_measured']} of {held['cells_selected']}"
+              + (f" (not measured: {missing}; raise train.heldout_per_cell or --num-prompts)" if missing else ""))
     return 0
 
 
