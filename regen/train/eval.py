@@ -40,7 +40,6 @@ from regen.train.eval_cells import breakdown, format_cells, prompt_labels
 from regen.train.heldout import HELDOUT_BUCKETS, is_heldout  # noqa: F401 (the bucket rule's public home was here)
 
 
-
 @dataclass(frozen=True)
 class Round:
     """One verification round: `accepted` drafts, `tau` committed tokens, `proposed` (effective) drafts."""
