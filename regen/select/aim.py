@@ -60,6 +60,32 @@ def used_ids(run: RunDir) -> set[str]:
     return out
 
 
+def kept_shares(run: RunDir) -> dict:
+    """{(category, length_band, mode): (prompts with a training row, prompts answered)} of the run's selection: how
+    much of a cell's generation survived the response filters into the shards (a unit spent where the answers are
+    dropped trains nothing). Read from `generations/` (status ok) and `shards/`; {} before render."""
+    def ids(stage: Path, key: str, cols: list[str], keep) -> set[str]:
+        out: set[str] = set()
+        for e in (run.manifest(stage) or {}).get(key, []):
+            t = pq.read_table(stage / e["path"], columns=cols).to_pydict()
+            out.update(pid for i, pid in enumerate(t["prompt_id"]) if keep(t, i))
+        return out
+
+    if not (run.manifest(run.shards) or {}).get("shards"):
+        return {}
+    answered = ids(run.generations, "parts", ["prompt_id", "status"], lambda t, i: t["status"][i] == "ok")
+    trained = ids(run.shards, "shards", ["prompt_id"], lambda t, i: True)
+    counts: dict = defaultdict(lambda: [0, 0])
+    for p in (run.manifest(run.prompts) or {}).get("parts", []):
+        t = pq.read_table(run.prompts / p["path"], columns=["prompt_id", "category", "length_band", "mode"]).to_pydict()
+        for i, pid in enumerate(t["prompt_id"]):
+            if pid in answered:
+                c = counts[(t["category"][i], t["length_band"][i], t["mode"][i])]
+                c[0] += pid in trained
+                c[1] += 1
+    return {cell: tuple(v) for cell, v in counts.items()}
+
+
 def cell_figures(ev: dict) -> tuple[dict, dict, float]:
     """({cell: (acc_len per round, requests)}, {category: acc_len}, overall acc_len) of the trained draft."""
     b = (ev.get("trained") or {}).get("breakdown")
@@ -213,10 +239,11 @@ def next_selection(cfg: SelectConfig, run: RunDir, pool: pa.Table, *, seed: int,
     else:
         weights, table = weights_mix(cells, cfg, pool_bands)
     chosen = allocate(weights, candidates, budget_units)
+    kept = kept_shares(run)
     assigned = {p["prompt_id"]: cell[2] for cell, ps in chosen.items() for p in ps}
     for row in table:
         cell = (row["category"], row["length_band"], row["mode"])
-        row.update(weight=round(weights.get(cell, 0.0), 6), supply=len(candidates.get(cell, [])),
+        row.update(kept=kept.get(cell), weight=round(weights.get(cell, 0.0), 6), supply=len(candidates.get(cell, [])),
                    prompts_added=len(chosen.get(cell, [])), units_added=sum(p["units"] for p in chosen.get(cell, [])))
     new = pool.filter(pc.is_in(pool["prompt_id"], pa.array(sorted(assigned), type=pa.string())))
     new = new.set_column(new.schema.get_field_index("mode"), "mode",
@@ -267,18 +294,27 @@ def reasoning_md(record: dict, table: list[dict], ev: dict | None) -> str:
                   "pseudo-requests; the budget goes to cells below the overall figure, in proportion to how far "
                   "below.", "",
                   "| category | length band | mode | acc_len | requests | category acc_len | shrunk | deficit | "
-                  "weight | supply | prompts | units |", "|" + "---|" * 12]
+                  "weight | supply | prompts | units | answers kept |", "|" + "---|" * 13]
         for r in sorted(table, key=lambda r: -r["weight"]):
             a = "-" if r["acc_len"] is None else f"{r['acc_len']:.3f}"
             lines.append(f"| {r['category']} | {r['length_band'] or '-'} | {r['mode'] or '-'} | {a} | {r['requests']} "
                          f"| {r['category_acc_len']:.3f} | {r['shrunk_acc_len']:.3f} | {r['deficit']:.3f} | "
-                         f"{r['weight']:.3f} | {r['supply']} | {r['prompts_added']} | {r['units_added']} |")
+                         f"{r['weight']:.3f} | {r['supply']} | {r['prompts_added']} | {r['units_added']} | "
+                         f"{_kept(r)} |")
     else:
         lines += ["The budget follows the profile's stated mix (category x band x mode shares), not the measurement.",
                   "", "| category | length band | mode | category share | band share | mode share | weight | supply "
-                  "| prompts | units |", "|" + "---|" * 10]
+                  "| prompts | units | answers kept |", "|" + "---|" * 11]
         for r in sorted(table, key=lambda r: -r["weight"]):
             lines.append(f"| {r['category']} | {r['length_band'] or '-'} | {r['mode'] or '-'} | "
                          f"{r['category_share']:.3f} | {r['band_share']:.3f} | {r['mode_share']:.3f} | "
-                         f"{r['weight']:.4f} | {r['supply']} | {r['prompts_added']} | {r['units_added']} |")
+                         f"{r['weight']:.4f} | {r['supply']} | {r['prompts_added']} | {r['units_added']} | "
+                         f"{_kept(r)} |")
+    lines += ["", "Answers kept: of the cell's prompts answered so far, how many have a training row after the response "
+              "filters (what a unit spent there is likely to buy); the allocation does not use it."]
     return "\n".join(lines) + "\n"
+
+
+def _kept(row: dict) -> str:
+    k = row.get("kept")
+    return "-" if not k else f"{k[0]}/{k[1]} ({k[0] / k[1]:.0%})"

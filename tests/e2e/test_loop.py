@@ -51,6 +51,12 @@ def test_one_round_generates_only_the_new_prompts_and_trains_on_from_the_last_dr
     assert ev0["heldout"]["per_cell"] == 2 and ev1["heldout"]["picks_sha256"] == ev0["heldout"]["picks_sha256"]
     assert rec["acc_len"] == ev1["trained"]["acc_len"] and ev1["trained"]["breakdown"]["cells"]
     assert (run.root / "loop" / "round-01.md").read_text().startswith("# Loop round 1: policy `weakest`")
+    # each cell's share of answered prompts that reached the shards (what a unit there is likely to buy)
+    cells = json.loads((run.root / "loop" / "round-01.json").read_text())["cells"]
+    kept = [c["kept"] for c in cells if c.get("kept")]
+    assert kept and all(0 <= k <= n and n > 0 for k, n in kept)
+    assert sum(n for _, n in kept) <= 24  # the answered prompts of the 24-prompt selection
+    assert "| answers kept |" in (run.root / "loop" / "round-01.md").read_text()
     assert (run.root / "train-loop-01" / "tensorboard").is_dir()
 
 
