@@ -86,8 +86,8 @@ def eval_heldout_split(run, asked: float, asked_per_cell: int, drafts: dict) -> 
                    **({"unrecorded": sorted(set(records) - set(known))} if len(known) < len(records) else {})}
 
 
-CELL_RULE = ("per cell (category, length_band, mode) of the run's first selection (prompts/part-*.parquet, not the "
-             "loop's part-loop-*): the cell's prompts in sha256(prompt_id) order are held out until min(per_cell, "
+CELL_RULE = ("per cell (category, length_band, mode) of the run's first selection (the parts prompts/manifest.json "
+             "lists, not the loop's part-loop-*): the cell's prompts in sha256(prompt_id) order are held out until min(per_cell, "
              "max(1, cell size // 2)) of them are (the bucket's count toward it) (regen.train.heldout.cell_picks)")
 
 
@@ -121,12 +121,17 @@ def as_split(heldout) -> HeldoutSplit:
 
 
 def first_selection_cells(run) -> dict[str, tuple]:
-    """{prompt_id: (category, length_band, mode)} of the run's first selection: `prompts/part-*.parquet` without
-    the loop's `part-loop-*` (a loop round adds prompts, it must not move the held-out split); {} without one."""
+    """{prompt_id: (category, length_band, mode)} of the run's first selection: the parts `prompts/manifest.json`
+    lists, without the loop's `part-loop-*` (a loop round adds prompts, it must not move the held-out split); {}
+    without a selection."""
     import pyarrow.parquet as pq
 
+    from schemas.io import read_json
+
+    manifest = read_json(Path(run.prompts) / "manifest.json") or {}
     out: dict[str, tuple] = {}
-    for f in sorted(Path(run.prompts).glob("part-*.parquet")):
+    for part in manifest.get("parts") or []:
+        f = Path(run.prompts) / part["path"]
         if f.name.startswith("part-loop-"):
             continue
         names = set(pq.ParquetFile(f).schema_arrow.names)

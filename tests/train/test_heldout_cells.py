@@ -20,12 +20,16 @@ def h(pid: str) -> str:
 
 
 def write_selection(run_dir, cells: dict[str, tuple], name: str = "part-00000.parquet") -> None:
-    """A selection part with the columns the split reads ({prompt_id: (category, band, mode)})."""
+    """A selection part with the columns the split reads ({prompt_id: (category, band, mode)}), listed in the
+    selection's manifest (the first part replaces the list, a loop part is added to it)."""
     (run_dir / "prompts").mkdir(parents=True, exist_ok=True)
     pids = sorted(cells)
     pq.write_table(pa.table({"prompt_id": pids, "category": [cells[p][0] for p in pids],
                              "length_band": [cells[p][1] for p in pids], "mode": [cells[p][2] for p in pids]}),
                    run_dir / "prompts" / name)
+    path = run_dir / "prompts" / "manifest.json"
+    parts = json.loads(path.read_text())["parts"] if path.exists() and name.startswith("part-loop-") else []
+    path.write_text(json.dumps({"parts": [*parts, {"path": name}]}))
 
 
 def test_every_cell_gets_its_lowest_hash_prompts_up_to_half_the_cell():
@@ -65,6 +69,9 @@ def test_a_loop_round_does_not_move_the_split(tmp_path):
     # a loop part of prompts with lower hashes in the same cells must not change which prompts are held out
     added = {f"loop{i}": cells[f"q{i}"] for i in range(60)}
     write_selection(run.root, added, "part-loop-01.parquet")
+    # and a part the manifest does not list (left by an earlier selection) is not the selection
+    pq.write_table(pa.table({"prompt_id": ["stale"], "category": ["coding"], "length_band": ["0-128"],
+                             "mode": pa.array([None], type=pa.string())}), run.prompts / "part-00009.parquet")
     after = heldout_split(run, 0.1, 2)
     assert after.picks == before.picks and set(first_selection_cells(run)) == set(cells)
 
