@@ -70,9 +70,10 @@ def eval_heldout_split(run, asked: float, asked_per_cell: int, drafts: dict) -> 
         raise InputError(f"train.heldout_fraction={asked} asks to evaluate on prompts the draft {name!r} was trained "
                          f"on: it was trained with heldout_fraction={fraction} ({known[name]['source']}); evaluate "
                          f"with --set train.heldout_fraction={fraction} (or less), or retrain with a larger one")
-    splits = {}
+    splits, cells = {}, first_selection_cells(run)  # the selection read once for every draft's picks
     for name, r in known.items():
-        splits[name] = heldout_split(run, r["fraction"], int(r.get("per_cell") or 0))
+        f, k = r["fraction"], int(r.get("per_cell") or 0)
+        splits[name] = HeldoutSplit(float(f), k, cell_picks(cells, f, k))
         if splits[name].per_cell and splits[name].picks_sha256 != r.get("picks_sha256"):
             raise InputError(f"{r['source']}: the draft {name!r} held out {r.get('num_picks')} per-cell prompts of "
                              f"another selection than {run.prompts} gives now ({len(splits[name].picks)}): evaluate "
@@ -87,8 +88,9 @@ def eval_heldout_split(run, asked: float, asked_per_cell: int, drafts: dict) -> 
 
 
 CELL_RULE = ("per cell (category, length_band, mode) of the run's first selection (the parts prompts/manifest.json "
-             "lists, not the loop's part-loop-*): the cell's prompts in sha256(prompt_id) order are held out until min(per_cell, "
-             "max(1, cell size // 2)) of them are (the bucket's count toward it) (regen.train.heldout.cell_picks)")
+             "lists, not the loop's part-loop-*): the cell's prompts in sha256(prompt_id) order are held out until "
+             "min(per_cell, max(1, cell size // 2)) of them are (the bucket's count toward it) "
+             "(regen.train.heldout.cell_picks)")
 
 
 @dataclass(frozen=True)
