@@ -116,16 +116,10 @@ def build_pool(path: Path, rows: int, seed: int = 0) -> None:
             writer.write_table(pa.Table.from_pylist(batch, schema=schema))
 
 
-def _children_cpu() -> float:
-    """CPU seconds of finished (waited-for) child processes: the selection's workers."""
-    import resource
-
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime + r.ru_stime
-
-
 class PeakRSS:
-    """Peak resident set size of this process and its children, sampled every 50 ms in a thread (bytes)."""
+    """Peak resident set size of this process and its descendants, sampled every 50 ms in a thread (bytes), and
+    the CPU seconds each descendant started meanwhile was last seen to have used (`workers_cpu_s`: the selection's
+    workers are the forkserver's children, so `RUSAGE_CHILDREN` of this process never counts them)."""
 
     def __init__(self):
         import psutil
@@ -133,6 +127,12 @@ class PeakRSS:
         self.proc = psutil.Process()
         self.peak = 0
         self._stop = threading.Event()
+        self._before = {c.pid for c in self.proc.children(recursive=True)}
+        self._cpu: dict[int, float] = {}
+
+    @property
+    def workers_cpu_s(self) -> float:
+        return sum(self._cpu.values())
 
     def __enter__(self):
         self.peak = self.proc.memory_info().rss
@@ -146,6 +146,9 @@ class PeakRSS:
         for child in self.proc.children(recursive=True):
             try:
                 total += child.memory_info().rss
+                if child.pid not in self._before:
+                    t = child.cpu_times()
+                    self._cpu[child.pid] = t.user + t.system
             except Exception:  # a worker that just exited
                 pass
         return total
@@ -196,10 +199,11 @@ def main() -> int:
                 "tool_agent": "tool_use", "multilingual_chat": "multilingual"})]})
         run = RunDir.at(Path(tmp) / "run")
         with PeakRSS() as mem:
-            t, c, c0 = time.time(), time.process_time(), _children_cpu()
+            t, c = time.time(), time.process_time()
             m = run_select(cfg, run, seed=0, progress=sys.stderr.isatty())
             sel_s = time.time() - t
-            cpu_s = time.process_time() - c + _children_cpu() - c0
+            cpu_s = time.process_time() - c
+        cpu_s += mem.workers_cpu_s  # up to 50 ms per worker unseen
         t = time.time()  # the baseline runs after the selection so that its buffers do not count in the peak
         table = pq.read_table(pool)
         base_s = time.time() - t

@@ -4,14 +4,19 @@ A batch of raw rows -> normalized drafts (`regen.select.sources.make_drafts`) ->
 order (everything but `exact_dedup` and `near_dedup`, which need the whole stream and run in the main process
 afterwards) -> survivors as an Arrow table (PROMPT_SCHEMA), their normalized conversation text and MinHash
 signatures. Results come back in submission order, so the output does not depend on `workers`; at most
-`2 * workers` batches are in flight (bounded memory). Workers are forked after `configure`, so they share the
-read-only state (filters, contamination index) without pickling it.
+`2 * workers` batches are in flight (bounded memory). Workers start from a forkserver, never from a fork of the
+calling process: a process with threads (an HTTP server, Ray, torch's OpenMP pool, Arrow's thread pools) can be
+forked while one of them holds a lock, and the child then waits on it forever (a `regen loop` round under CI
+hung so). Each worker runs `configure` once with the same config, contamination index and control tokens; a
+worker that dies (out of memory, killed) fails the stage with `SelectWorkerDied` instead of leaving it waiting.
 """
 from __future__ import annotations
 
 import json
 import multiprocessing as mp
 from collections import Counter, deque
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -20,6 +25,7 @@ import pyarrow as pa
 from filters.control_tokens import ControlTokensFilter
 from filters.dedup import MinHasher
 from filters.prompt import PROMPT_FILTERS, ContaminationIndex, conversation_text, prompt_tokens
+from regen.errors import InputError
 from schemas.prompt import PROMPT_SCHEMA, PromptRecord
 from schemas.rejected import RejectedRecord
 
@@ -119,37 +125,62 @@ def process_batch(job) -> BatchResult:
     return out
 
 
-class BatchRunner:
-    """Runs `process_batch` over jobs in order: inline (workers <= 1) or in a fork pool with bounded in-flight."""
+class SelectWorkerDied(InputError):
+    """A `select.workers` process ended without answering (killed by the OS, out of memory, a crash in a library).
+    Nothing of the stage was written (the selection is swapped in only when complete). Exit status 1."""
 
-    def __init__(self, workers: int):
+    exit_status = 1
+
+
+class BatchRunner:
+    """Runs `process_batch` over jobs in order: inline (workers <= 1) or in `workers` processes started from a
+    forkserver, each configured once by `configure(cfg, index, control_tokens)`, with bounded in-flight batches."""
+
+    def __init__(self, workers: int, cfg=None, index: ContaminationIndex | None = None, control_tokens=()):
         self.workers = workers
         self.pool = None
         if workers > 1:
-            self.pool = mp.get_context("fork").Pool(workers)
+            self.pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("forkserver"), initializer=configure,
+                                            initargs=(cfg, index, tuple(control_tokens)))
 
     def map(self, jobs):
-        """Yield `(meta, BatchResult)` for `(meta, job)` items in order (`(meta, None)` for a None job)."""
+        """Yield `(meta, BatchResult)` for `(meta, job)` items in order (`(meta, None)` for a None job).
+
+        Raises SelectWorkerDied when a worker process ends without answering."""
         if self.pool is None:
             for meta, job in jobs:
                 yield meta, (process_batch(job) if job is not None else None)
             return
         pending: deque = deque()
         for meta, job in jobs:
-            pending.append((meta, self.pool.apply_async(process_batch, (job,)) if job is not None else None))
+            pending.append((meta, self._submit(job)))
             if len(pending) >= 2 * self.workers:
-                m, r = pending.popleft()
-                yield m, (r.get() if r is not None else None)
+                yield self._result(*pending.popleft())
         while pending:
-            m, r = pending.popleft()
-            yield m, (r.get() if r is not None else None)
+            yield self._result(*pending.popleft())
+
+    def _submit(self, job):
+        if job is None:
+            return None
+        try:
+            return self.pool.submit(process_batch, job)
+        except BrokenProcessPool as exc:
+            raise self._died() from exc
+
+    def _result(self, meta, fut):
+        try:
+            return meta, (fut.result() if fut is not None else None)
+        except BrokenProcessPool as exc:
+            raise self._died() from exc
+
+    def _died(self) -> SelectWorkerDied:
+        return SelectWorkerDied(
+            f"a select worker process died without answering (killed by the OS or out of memory: see `dmesg`); "
+            f"nothing was written, rerun the stage, and with less memory set select.workers lower than "
+            f"{self.workers} or select.batch_rows smaller")
 
     def close(self, error: bool = False) -> None:
-        """Stop the workers (terminate them when `error`, so a failing run does not wait for queued batches)."""
+        """Stop the workers (cancel the queued batches when `error`, so a failing run does not wait for them)."""
         if self.pool is not None:
-            if error:
-                self.pool.terminate()
-            else:
-                self.pool.close()
-            self.pool.join()
+            self.pool.shutdown(wait=True, cancel_futures=error)
             self.pool = None

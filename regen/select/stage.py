@@ -273,7 +273,7 @@ def _run_select(cfg: SelectConfig, run: RunDir, *, seed: int, extra_sources: lis
             if size - done > 0:
                 yield size - done, None
 
-    runner = BatchRunner(cfg.workers)
+    runner = BatchRunner(cfg.workers, cfg, index, control_tokens)
     with Progress(TextColumn("[bold]select"), BarColumn(), TextColumn("{task.fields[rows]:,} rows"),
                   TextColumn("{task.description}"), TimeElapsedColumn(), disable=not progress, transient=True) as bar:
         task = bar.add_task("", total=max(total_bytes, 1), rows=0)

@@ -144,3 +144,65 @@ def test_workers_do_not_change_the_output(tmp_path):
         rej = query(run.root, "SELECT source_file, source_row, filter, reason FROM rejected ORDER BY ALL")[1]
         out[w] = (ids, rej, m["accounting"], m["filters"])
     assert out[1] == out[2]
+
+
+def _select_workers(timeout_s: float = 60.0) -> list:
+    """The live `select.workers` processes: the children of this process's multiprocessing forkserver."""
+    import time
+
+    import psutil
+
+    me, t0 = psutil.Process(), time.time()
+    while time.time() - t0 < timeout_s:
+        for child in me.children():
+            if "forkserver" in " ".join(child.cmdline()) and child.children():
+                return child.children()
+        time.sleep(0.01)
+    raise AssertionError("no select worker started")
+
+
+def test_workers_are_not_forked_from_the_calling_process(tmp_path):
+    """A fork of a process with threads can inherit a lock one of them held and wait on it forever (a loop round
+    hung so under CI): the workers come from the forkserver, a single-threaded process started once."""
+    import os
+    import threading
+
+    profile = load_profile("local")
+    cfg = profile.select.model_copy(update={"workers": 2, "batch_rows": 50})
+    parents: list = []
+    spy = threading.Thread(target=lambda: parents.extend(p.ppid() for p in _select_workers()), daemon=True)
+    spy.start()
+    run_select(cfg, RunDir.at(tmp_path / "run"), seed=0, progress=False)
+    spy.join(timeout=60)
+    assert parents and os.getpid() not in parents
+
+
+def test_a_killed_worker_fails_the_stage_with_its_remedy_and_keeps_the_last_selection(tmp_path, capsys):
+    """A worker killed by the OS (here SIGKILL, as the OOM killer sends) ends `regen select` with a named error and
+    exit status 1, not a wait without end; the run's previous selection is left as it was."""
+    import signal
+    import threading
+
+    from regen.errors import exit_code
+
+    profile = load_profile("local")
+    run = RunDir.at(tmp_path / "run")
+    cfg = profile.select.model_copy(update={"workers": 2, "batch_rows": 20, "total": 40})
+    run_select(cfg.model_copy(update={"workers": 1}), run, seed=0, progress=False)
+    before = (run.prompts / "manifest.json").read_text()
+
+    def kill():
+        for p in _select_workers():
+            p.send_signal(signal.SIGKILL)
+
+    killer = threading.Thread(target=kill, daemon=True)
+    killer.start()
+
+    def main():
+        run_select(cfg.model_copy(update={"total": 41}), run, seed=0, progress=False)
+
+    assert exit_code(main, "regen select") == 1
+    killer.join(timeout=60)
+    err = capsys.readouterr().err
+    assert err.startswith("regen select: error: a select worker process died") and "select.workers" in err
+    assert (run.prompts / "manifest.json").read_text() == before
