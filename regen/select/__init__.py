@@ -15,7 +15,7 @@ Modules, in reading order:
     originals.py the source's own answers beside the prompt (`original_answers`), or why there are none
     errors.py    RowError: a malformed row (a `parse` reject with the field and the reason)
     classify.py  category and language: source labels, then config, then a classifier
-    batches.py   the per-batch work (normalize, filter (+ control_tokens), sign for near dedup), in forked workers
+    batches.py   the per-batch work (normalize, filter (+ control_tokens), sign for near dedup), in forkserver workers
     mix.py       the selection policy: per-category targets, caps, the seeded choice
     stage.py     the stage: exact + near dedup, the mix, outputs and manifest
 

@@ -6,7 +6,7 @@ afterwards) -> survivors as an Arrow table (PROMPT_SCHEMA), their normalized con
 signatures. Results come back in submission order, so the output does not depend on `workers`; at most
 `2 * workers` batches are in flight (bounded memory). Workers start from a forkserver, never from a fork of the
 calling process: a process with threads (an HTTP server, Ray, torch's OpenMP pool, Arrow's thread pools) can be
-forked while one of them holds a lock, and the child then waits on it forever (a `regen loop` round under CI
+forked while one of them holds a lock, and the child then waits on it forever (a data-loop round under CI
 hung so). Each worker runs `configure` once with the same config, contamination index and control tokens; a
 worker that dies (out of memory, killed) fails the stage with `SelectWorkerDied` instead of leaving it waiting.
 """
