@@ -134,14 +134,17 @@ class SelectWorkerDied(InputError):
 
 class BatchRunner:
     """Runs `process_batch` over jobs in order: inline (workers <= 1) or in `workers` processes started from a
-    forkserver, each configured once by `configure(cfg, index, control_tokens)`, with bounded in-flight batches."""
+    forkserver, with bounded in-flight batches. The process that runs the batches (this one inline, else each
+    worker) is configured once by `configure(cfg, index, control_tokens)`."""
 
-    def __init__(self, workers: int, cfg=None, index: ContaminationIndex | None = None, control_tokens=()):
+    def __init__(self, workers: int, cfg, index: ContaminationIndex | None, control_tokens=()):
         self.workers = workers
         self.pool = None
         if workers > 1:
             self.pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("forkserver"), initializer=configure,
                                             initargs=(cfg, index, tuple(control_tokens)))
+        else:
+            configure(cfg, index, control_tokens)
 
     def map(self, jobs):
         """Yield `(meta, BatchResult)` for `(meta, job)` items in order (`(meta, None)` for a None job).

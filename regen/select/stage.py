@@ -32,7 +32,7 @@ import pyarrow.compute as pc
 
 from filters.dedup import MinHasher, near_duplicates
 from filters.prompt import PROMPT_FILTERS, ContaminationIndex
-from regen.select.batches import BatchRunner, configure, payload
+from regen.select.batches import BatchRunner, payload
 from regen.select.mix import (assign_modes, largest_remainder, plan_mix, seeded_keys,  # noqa: F401 (re-exported)
                               select_rows)
 from regen.config.select import SelectConfig, SourceConfig
@@ -238,7 +238,6 @@ def _run_select(cfg: SelectConfig, run: RunDir, *, seed: int, extra_sources: lis
 
         texts = [t for f in cfg.contamination_files for t in benchmark_texts(str(resolve_path(f)))]
         index = ContaminationIndex(texts, cfg.contamination_ngram)
-    configure(cfg, index, control_tokens)
     exact = PROMPT_FILTERS["exact_dedup"].from_config(cfg) if "exact_dedup" in cfg.filters else None
     near = PROMPT_FILTERS["near_dedup"].from_config(cfg) if "near_dedup" in cfg.filters else None
     rejects = RejectWriter(rej_dir)

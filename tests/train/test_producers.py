@@ -84,16 +84,14 @@ def copy_run(src, dst):
 
 
 def test_producers_through_mooncake_train_the_same_draft_as_in_process(tiny_run, tmp_path):
+    from train_helpers import one_torch_thread
+
     profile, run = tiny_run
     other = copy_run(run, tmp_path / "producers")
     # 4 micro-batches a step through a store budget of 3 objects: each is read out of the store in fetch
     cfg = load_profile(str(profile), ["train.max_steps=6", "train.log_samples=true", "train.grad_accum=4"]).train
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the trainer below (OMP_NUM_THREADS=1): the draft's own arithmetic then matches too
-    try:
+    with one_torch_thread():  # as the trainer below (OMP_NUM_THREADS=1): the draft's own arithmetic then matches too
         inproc = run_train(cfg, RunDir.at(run))
-    finally:
-        torch.set_num_threads(threads)
     # a budget of three objects binds (the pool would run further ahead): the store's own bytes stay within it
     proc = regen_train(profile, other, PRODUCERS + ["train.max_steps=6", "train.producers.budget_bytes=802000",
                                                     "train.grad_accum=4"])

@@ -354,6 +354,8 @@ def test_a_fresh_start_never_overwrites_another_runs_step_folders(tiny_run, tmp_
 def test_two_ranks_to_one_and_back_to_two_resume_the_sharded_state_exactly(tiny_run, tmp_path):
     """`regen train` resumed 2 ranks -> 1 -> 2 (the same global batch; the sharded state resharded by DCP each
     time) ends where an uninterrupted run on 2 ranks ends: weights and AdamW moments."""
+    from train_helpers import one_torch_thread
+
     from regen.train.resume import ResumeMismatch
     from regen.train.sharded_state import read_sharded
 
@@ -371,15 +373,9 @@ def test_two_ranks_to_one_and_back_to_two_resume_the_sharded_state_exactly(tiny_
         ".metadata", "__0_0.distcp", "__1_0.distcp"]  # each rank wrote its own shards
     assert "resume/__1_0.distcp" in json.loads((ckpts / "step-000002" / "MANIFEST.json").read_text())["files"]
 
-    # torchrun gives each rank one intra-op thread (OMP_NUM_THREADS=1); this rank runs in the test's process, whose
-    # thread count (2 on a 2-core CI machine) would sum in another order: 1.7e-5 apart after 4 steps, measured
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_torch_thread():  # with CI's 2 threads this segment ended 1.7e-5 from the ranks' run (measured)
         s = run_train(load_profile(str(profile), common + ["train.max_steps=3", "train.grad_accum=2"]).train,
                       RunDir.at(run_dir))  # 1 x 2 = 2 x 1
-    finally:
-        torch.set_num_threads(threads)
     changes = {c["setting"]: (c["old"], c["new"]) for c in s["resume"]["changes"]}
     assert changes["world_size"] == (2, 1) and changes["grad_accum"] == (1, 2) and s["steps"] == 3
     assert s["resume"]["from"].endswith("step-000002")

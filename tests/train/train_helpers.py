@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+from contextlib import contextmanager
 from pathlib import Path
 
 from schemas.io import write_json_atomic, write_rows_atomic
@@ -76,3 +77,17 @@ def write_profile(path: Path, target: Path, **train) -> Path:
     section.update(train)
     Path(path).write_text(yaml.safe_dump({"name": "tiny", "train": section}))
     return Path(path)
+
+
+@contextmanager
+def one_torch_thread():
+    """Run the block with one intra-op thread, as torchrun gives each rank (OMP_NUM_THREADS=1): a run in the test's
+    own process (2 threads on a 2-core CI machine) would sum in another order than the ranks it is compared with."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
