@@ -28,6 +28,7 @@ class Metrics:
         self.rows = Counter()  # status -> rows written this session
         self.row_errors = Counter()  # error_class of error rows
         self.failures = Counter()  # attempt-level failure/quality classes (retried or not)
+        self.failure_examples: dict[str, str] = {}  # failure class -> the first attempt's detail (retried or not)
         self.flags = Counter()
         self.output_tokens = 0
         self.prompt_tokens = 0
@@ -41,12 +42,16 @@ class Metrics:
         return self.per_minute[int(time.time() // 60) * 60]
 
     def attempt(self, failure_class: str | None = None, output_tokens: int = 0, prompt_tokens: int = 0,
-                latency_s: float | None = None, ttft_s: float | None = None) -> None:
+                latency_s: float | None = None, ttft_s: float | None = None, detail: str | None = None) -> None:
+        """One HTTP attempt ended; `failure_class` (and the transport's `detail`, the first kept per class) when it
+        failed or its answer was judged."""
         self.attempts += 1
         m = self._minute()
         m["requests"] += 1
         if failure_class:
             self.failures[failure_class] += 1
+            if detail and failure_class not in self.failure_examples:
+                self.failure_examples[failure_class] = detail
         self.output_tokens += output_tokens
         self.prompt_tokens += prompt_tokens
         m["output_tokens"] += output_tokens
@@ -82,7 +87,8 @@ class Metrics:
         return {
             "writer": self.writer, "wall_s": round(dt, 3), "attempts": self.attempts, "rows": dict(self.rows),
             "error_rows_by_class": dict(self.row_errors), "failures_by_class": dict(self.failures),
-            "flags": dict(self.flags), "output_tokens": self.output_tokens, "prompt_tokens": self.prompt_tokens,
+            "failure_examples": dict(self.failure_examples), "flags": dict(self.flags),
+            "output_tokens": self.output_tokens, "prompt_tokens": self.prompt_tokens,
             "req_per_s": round(self.attempts / dt, 3), "output_tok_per_s": round(self.output_tokens / dt, 1),
             "peak_in_flight": self.peak_in_flight, "latency_s": {"p50": pct(self.latencies, 0.5), "p90": pct(self.latencies, 0.9), "p99": pct(self.latencies, 0.99)},
             "ttft_s": {"p50": pct(self.ttfts, 0.5), "p90": pct(self.ttfts, 0.9)},
@@ -108,6 +114,10 @@ def merge_summaries(summaries: list[dict]) -> dict:
         for s in summaries:
             total.update(s.get(key, {}))
         out[key] = dict(total)
+    out["failure_examples"] = {}  # the first writer's example of each class
+    for s in summaries:
+        for k, v in (s.get("failure_examples") or {}).items():
+            out["failure_examples"].setdefault(k, v)
     for s in summaries:
         for key in ("attempts", "output_tokens", "prompt_tokens"):
             out[key] += s.get(key, 0)

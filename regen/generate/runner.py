@@ -197,7 +197,7 @@ class Runner:
             try:
                 c = await self.client.complete(body, request_key=key)
             except RequestFailure as f:
-                self.metrics.attempt(f.error_class)
+                self.metrics.attempt(f.error_class, detail=f.detail)
                 if f.fatal:
                     raise FatalStop(f"{f.error_class}: HTTP {f.status} from the endpoint; check the API key "
                                     f"(generate.api_key_env) and the endpoint URL") from None

@@ -135,6 +135,7 @@ def stage_counts(run_root: str | Path) -> dict:
             "units": acc.get("units"), "balanced": acc.get("balanced"), "attempts": met.get("attempts"),
             "output_tokens": met.get("output_tokens"), "output_tok_per_s": met.get("output_tok_per_s"),
             "error_rows_by_class": met.get("error_rows_by_class"), "failures_by_class": met.get("failures_by_class"),
+            "failure_examples": met.get("failure_examples"),  # what the first failure of each class said
         }
     m = read_json(root / "shards" / "filters.json")
     if m:

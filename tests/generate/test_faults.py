@@ -85,8 +85,13 @@ def test_each_fault_kind_has_its_own_class(server, run_dir, stream):
     records = write_prompts(run_dir, convs)
     cfg = fast_config(stream=stream, retry={"max_attempts": 2},
                       timeouts={"first_byte": 0.5, "between_chunks": 0.3})
-    run_generate(cfg, run_dir, endpoints=[server.base_url], progress=False)
+    manifest = run_generate(cfg, run_dir, endpoints=[server.base_url], progress=False)
     by_prompt = {r["prompt_id"]: r for r in rows_of(run_dir)}
+    # what the first failure of each transport class said, for a user who sees only counts in the progress line
+    examples, failures = manifest["metrics"]["failure_examples"], manifest["metrics"]["failures_by_class"]
+    assert set(examples) <= set(failures) and {"connection", "timeout", "rate_limited", "server_error"} <= set(examples)
+    assert examples["rate_limited"] == "HTTP 429: injected 429" and examples["connection"].endswith(server.base_url)
+    assert "timeout at " in examples["timeout"]
     sent = {}
     for e in server.server.log:
         sent[e["key"]] = sent.get(e["key"], 0) + 1
