@@ -410,7 +410,8 @@ class Dispatcher:
                     "producers": [{"id": p.id, **self._liveness(p), "leases": len(p.leases),
                                    "completed": p.completed, "rows": p.rows, "failed": p.failed,
                                    "busy_s": round(p.busy_s, 3), "cpu_s": round(p.cpu_s, 3), "pid": p.info.get("pid"),
-                                   "host": p.info.get("host"), "engine": p.info.get("engine")}
+                                   "host": p.info.get("host"), "name": p.info.get("name"),
+                                   "engine": p.info.get("engine")}
                                   for p in self.producers.values()]}
 
     def _liveness(self, p: Producer) -> dict:

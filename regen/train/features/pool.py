@@ -16,7 +16,9 @@
 5. every rank gets a `RemoteFeatures` on the dispatcher's URL.
 
 `close()` ends the producers, removes this run's objects, stops the dispatcher and the master. `report()` is the
-producer/trainer balance for the log and summary: data-wait fraction, feature bytes/s, rows/s each side can do.
+producer/trainer balance for the log and summary: data-wait fraction, feature bytes/s, rows/s each side can do,
+and (rank 0) every producer ever started or registered with its final state: it ends the local producers first,
+since the run's work is done (`producer_report`, `regen.train.features.roster`).
 """
 from __future__ import annotations
 
@@ -160,6 +162,9 @@ class FeaturePool:
     def __init__(self):
         self.master = self.store = self.dispatcher = self.features = self.watch = None
         self.procs: list[subprocess.Popen] = []
+        self.logs: list[str] = []  # each local producer's log file, by index
+        self.ended_by_pool: dict[int, str] = {}  # pid -> "SIGTERM" / "SIGKILL": local producers the pool ended
+        self.stop_grace_s = 10.0  # how long local producers get to exit once told there is no more work
         self.info = None
         self.sizes: dict = {}
         self.zeroed: list[dict] = []
@@ -250,6 +255,7 @@ class FeaturePool:
             cmd = [sys.executable, "-m", "regen.train.features.producer", "--dispatcher", url, "--name", f"local-{i}",
                    "--device", pcfg.local_device, "--threads", str(pcfg.local_threads),
                    "--max-len", str(pcfg.local_max_len), "--orphan-timeout-s", "30"]
+            self.logs.append(str(fdir / f"producer-{i}.log"))
             with open(fdir / f"producer-{i}.log", "ab") as logf:
                 self.procs.append(subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                                    env=env, preexec_fn=die_with_parent))
@@ -345,61 +351,62 @@ class FeaturePool:
         out["staging"] = {k: st[k] for k in ("store_reads_into_slots", "host_copies", "host_bytes", "device_copies",
                                              "device_bytes", "pinned_bytes", "resident_max", "extra_device_buffers")}
         if self.dispatcher is not None:
-            st = self.dispatcher.status()
-            out["dispatcher"] = st["stats"]
-            out["producers"] = self._observe_local(st["producers"])
-            # what the pool can give: each producer's rows per second of its own work, summed over the live ones
-            each = [p["rows"] / p["busy_s"] for p in st["producers"] if p["busy_s"] > 0 and p["alive"]]
-            out["producer_rows_per_s"] = sum(each) if each else None
-            out["producer_rows_per_s_each"] = [round(x, 3) for x in each]
-            rows = sum(p["rows"] for p in st["producers"])
-            out["producer_cpu_s_per_row"] = sum(p["cpu_s"] for p in st["producers"]) / rows if rows else None
-            out["accounted_bytes_max"] = st["stats"]["max_accounted_bytes"]
+            out.update(self.producer_report())
         if self.watch is not None:
             out["store_allocated_bytes_max"] = self.watch.max_allocated
             out["store_samples"] = len(self.watch.samples)
         return out
 
-    def _observe_local(self, producers: list[dict]) -> list[dict]:
-        """The dispatcher's view of each producer, corrected by what this process sees of its own local producer
-        processes now: one that exited with a signal or a non-zero status is dead whatever the dispatcher has yet
-        noticed (a SIGKILL less than lease_timeout_s before the run ended); `observed` says which source and when."""
-        from regen.train.features.dispatcher import _iso
+    def producer_report(self) -> dict:
+        """Rank 0, at the end of the run: every producer once with its final state (`regen.train.features.roster`),
+        the dispatcher's counters and the producers' rates.
 
-        codes = {proc.pid: proc.poll() for proc in self.procs}
-        out = []
-        for p in producers:
-            if p.get("pid") in codes and p.get("host") == socket.gethostname():
-                code, now = codes[p["pid"]], _iso(time.time())
-                if code is None:
-                    p = {**p, "process": f"running at {now}"}
-                elif code == 0:
-                    p = {**p, "process": f"exited normally (status 0), seen at {now}"}
-                else:
-                    how = f"signal {-code}" if code < 0 else f"status {code}"
-                    p = {**p, "alive": False, "state": "dead", "process": f"exited with {how}, seen at {now}",
-                         "observed": f"dead: its process exited with {how} (seen by the pool at {now}; the "
-                                     f"dispatcher last heard from it at {p.get('last_seen_at')})"}
-            out.append(p)
+        The run's work is done when this is called, so it first ends the local producers (`end_local`): each one's
+        exit status is then its final state, whenever it died (before it registered, holding a lease, after the
+        last step, before or after the dispatcher noticed its silence)."""
+        from regen.train.features.roster import final_producers
+
+        self.end_local()
+        st = self.dispatcher.status()
+        out = {"dispatcher": st["stats"]}
+        local = [{"name": f"local-{i}", "pid": p.pid, "log": self.logs[i] if i < len(self.logs) else None,
+                  "returncode": p.poll(), "ended_by_pool": self.ended_by_pool.get(p.pid)}
+                 for i, p in enumerate(self.procs)]
+        out["producers"] = final_producers(st["producers"], local, host=socket.gethostname(), now=time.time())
+        # what the pool can give: each producer's rows per second of its own work, summed over those the dispatcher
+        # had not declared dead (a local one that finished its work counts)
+        each = [p["rows"] / p["busy_s"] for p in st["producers"] if p["busy_s"] > 0 and p["alive"]]
+        out["producer_rows_per_s"] = sum(each) if each else None
+        out["producer_rows_per_s_each"] = [round(x, 3) for x in each]
+        rows = sum(p["rows"] for p in st["producers"])
+        out["producer_cpu_s_per_row"] = sum(p["cpu_s"] for p in st["producers"]) / rows if rows else None
+        out["accounted_bytes_max"] = st["stats"]["max_accounted_bytes"]
         return out
 
-    def close(self) -> None:
+    def end_local(self) -> None:
+        """Tell the dispatcher there is no more work and wait for the local producers to exit: `stop_grace_s` in
+        all, then SIGTERM, 5 s more, then SIGKILL (each such end recorded in `ended_by_pool`). Idempotent."""
         if self.dispatcher is not None:
             with self.dispatcher._lock:
                 self.dispatcher.stopping = True
                 self.dispatcher._lock.notify_all()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + self.stop_grace_s
         for p in self.procs:
             try:
                 p.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 p.terminate()
+                self.ended_by_pool[p.pid] = "SIGTERM"
         for p in self.procs:
             try:
                 p.wait(5)
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+                self.ended_by_pool[p.pid] = "SIGKILL"
+
+    def close(self) -> None:
+        self.end_local()
         if self.watch is not None:
             self.watch.stop_event.set()
         if self.store is not None and self.dispatcher is not None:
