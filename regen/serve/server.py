@@ -71,6 +71,27 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 
 
 _FALLBACK_SAID: set[str] = set()
+# The transformers releases whose `transformers serve` this module was measured with (greedy at temperature 0
+# deterministic, `stream_options` accepted, its process group ended by `stop()`): 5.0 up to the lock's 5.24.0.
+# transformers 5.25.0 broke all three (two identical temperature-0 requests answered differently, a streamed
+# request with `stream_options` got HTTP 422), so a release past the range is refused, not served silently wrong.
+TRANSFORMERS_SERVE_TESTED = ((5, 0), (5, 24))
+
+
+def check_transformers_serve(version: str) -> None:
+    """Raise InputError when `transformers serve` of transformers `version` (e.g. "5.25.0") is outside
+    `TRANSFORMERS_SERVE_TESTED`, naming the versions it needs and the way out."""
+    import re
+
+    m = re.match(r"(\d+)\.(\d+)", version)
+    lo, hi = TRANSFORMERS_SERVE_TESTED
+    if m and lo <= (int(m[1]), int(m[2])) <= hi:
+        return
+    raise InputError(
+        f"embedded target: transformers serve of transformers {version} is not one this project was tested with "
+        f"({lo[0]}.{lo[1]} to {hi[0]}.{hi[1]}.x: greedy answers deterministic, stream_options accepted; 5.25.0 "
+        "broke both). Install the lock's version (`.venv/bin/pip install --no-deps -r requirements/lock.txt`, or "
+        "`bash scripts/setup.sh`), or serve with llama.cpp (serve.engine llama.cpp, package xllamacpp)")
 
 
 def resolve_engine(cfg: ServeConfig, log=None) -> str:
@@ -202,6 +223,10 @@ class EmbeddedTarget:
                 "or `.venv/bin/python -m regen.serve.prepare_model`"
             )
         self.engine = resolve_engine(self.cfg, self._log)
+        if self.engine == "transformers":
+            from importlib import metadata
+
+            check_transformers_serve(metadata.version("transformers"))
         if self.draft is not None and self.engine != "llama.cpp":
             raise InputError("a DSpark draft is served by the llama.cpp engine only (serve.engine llama.cpp, package "
                              "xllamacpp: bash scripts/setup.sh installs it)")

@@ -47,6 +47,23 @@ def test_missing_model_names_the_fix(tmp_path):
         EmbeddedTarget(ServeConfig(model_dir=str(tmp_path / "nope"))).start()
 
 
+def test_transformers_serve_outside_the_tested_releases_is_refused_naming_them(model_dir, monkeypatch):
+    from importlib import metadata
+
+    from regen.serve.server import check_transformers_serve
+
+    for ok in ("5.0.0", "5.19.0", "5.24.0", "5.24.3"):
+        check_transformers_serve(ok)
+    for bad in ("5.25.0", "6.0.0", "4.57.6"):
+        with pytest.raises(InputError, match=rf"transformers {bad} .*5\.0 to 5\.24\.x.*requirements/lock\.txt"):
+            check_transformers_serve(bad)
+    # refused at start, before any process is spawned
+    real = metadata.version
+    monkeypatch.setattr(metadata, "version", lambda name: "5.25.0" if name == "transformers" else real(name))
+    with pytest.raises(InputError, match="transformers 5.25.0"):
+        EmbeddedTarget(ServeConfig(engine="transformers")).start()
+
+
 @pytest.fixture(scope="module")
 def target(model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "server.log"
