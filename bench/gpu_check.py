@@ -152,6 +152,7 @@ class K3Bench:
         draft.embed_tokens.to(torch.bfloat16)
         draft.lm_head.to(torch.bfloat16)
         draft.attention_impl = args.attention
+        self.draft = draft
         self.model = shard_model(make_objective(draft), info, blocks=draft.layers, param_dtype=torch.bfloat16)
         self.opt = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=1e-4)
         self.build_s = time.perf_counter() - t0
@@ -235,12 +236,18 @@ def section_k3_step(args, device, info) -> dict:
     src = Resident()
     if not kb.cpu:
         torch.cuda.reset_peak_memory_stats()
-    # untimed first step, its FLOPs counted (dense attention counted whole, as the kernel computes it)
+    # untimed first step, its FLOPs counted with the dense attention (counted whole, as SDPA computes it; flex skips
+    # masked tiles, so its figure is the same work done faster). FlopCounterMode is a dispatch mode, under which
+    # torch.compile'd flex falls back to eager: the counted step runs SDPA whatever --attention
     mb, feats = kb.row(S, 0)
     src.feats[(0, 0)] = feats
     counter = FlopCounterMode(display=False)
-    with counter:
-        first_s, r0 = kb.step(src, [mb])
+    kb.draft.attention_impl = "sdpa"
+    try:
+        with counter:
+            first_s, r0 = kb.step(src, [mb])
+    finally:
+        kb.draft.attention_impl = args.attention
     flops = counter.get_total_flops()
     del src.feats[(0, 0)]
     times, losses, norms, finite = [], [r0["loss"]], [r0["grad_norm"]], [r0["finite"]]
