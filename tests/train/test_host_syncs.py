@@ -162,3 +162,52 @@ def test_deferred_feature_value_checks_read_nothing_per_micro_batch():
     assert msg == str(e.value) and "taps holds 2 non-finite values, the first at row 1 (b), position 6" in msg
     assert value_breach(header, value_summary(last, last).tolist(), 9, epoch=0, index=3) is None
 
+
+# -- flex_attention: bucketed shapes, compilations counted, no silent eager fallback ----------------------------
+
+def test_flex_row_lengths_are_bucketed_to_a_few_shapes():
+    from regen.train.attention import flex_bucket
+
+    assert [flex_bucket(n) for n in (1, 40, 128, 129, 4096, 4097, 32768, 33000, 65536)] == \
+        [128, 128, 128, 256, 4096, 5120, 32768, 40960, 65536]
+    sizes = {flex_bucket(n) for n in range(1024, 65537, 7)}
+    assert len(sizes) == 25 and all(flex_bucket(n) <= 1.25 * n + 128 for n in range(1, 70000, 13))
+
+
+def test_flex_mask_of_bucketed_lengths_equals_the_dense_mask_on_the_real_ones():
+    from torch.nn.attention.flex_attention import create_mask
+
+    from regen.train.attention import dspark_block_mask
+    from regen.train.loss import create_block_attention_mask
+
+    anchors = torch.tensor([[1, 9, 22, 33], [3, 12, 25, 0]])
+    keep = torch.tensor([[True, True, True, True], [True, True, True, False]])
+    am = torch.ones(2, 40, dtype=torch.long)
+    am[1, 30:] = 0
+    fm = dspark_block_mask(anchors, keep, 40, 4, attention_mask=am)
+    assert (fm.q_len, fm.kv_len, fm.q_bucket, fm.kv_bucket) == (16, 56, 128, 256)
+    dense = create_block_attention_mask(anchors, keep, 40, 4, attention_mask=am)
+    dense[~keep.repeat_interleave(4, 1)] = True  # a dummy block attends everywhere (finite; weighted 0 by the loss)
+    full = create_mask(fm.block_mask.mask_mod, 2, 1, fm.q_bucket, fm.kv_bucket, device="cpu")[:, 0]
+    assert torch.equal(full[:, :16, :56], dense)
+    assert not full[:, :16, 56:].any()  # no real query sees a padding key
+    assert full[:, 16:].sum(-1).eq(1).all() and full[:, 16:, 0].all()  # a padding query sees key 0 only
+
+
+def test_flex_compilations_are_counted_and_the_eager_fallback_is_refused(monkeypatch):
+    """dynamo's recompile limit, hit for real (a function compiled with the `eager` backend, so no C++ build):
+    past it dynamo would run the function eagerly, silently; `_guarded` raises instead, naming the way out."""
+    from regen.train import attention
+
+    monkeypatch.setattr(attention, "FLEX_MAX_SHAPES", 2)
+    monkeypatch.setitem(attention.FLEX_STATS, "attention_compiles", 0)
+    fn = torch.compile(lambda x: x * 2, backend="eager", dynamic=False)
+    for n in (3, 3, 4, 5, 6):  # limit = FLEX_MAX_SHAPES + 2 = 4 compiled shapes
+        assert torch.equal(attention._guarded("attention", fn, torch.ones(n)), torch.full((n,), 2.0))
+    assert attention.FLEX_STATS["attention_compiles"] == 4
+    with pytest.raises(RuntimeError, match="recompile limit in the attention .*refused. Use train.attention=sdpa"):
+        attention._guarded("attention", fn, torch.ones(7))
+    monkeypatch.setitem(attention.FLEX_STATS, "shapes", {(1, 128, 256), (1, 128, 384)})
+    attention._count_shape((1, 128, 256))  # seen: nothing new to compile
+    with pytest.raises(RuntimeError, match="3th shape .* past the limit of 2"):
+        attention._count_shape((1, 256, 512))
