@@ -21,7 +21,7 @@ import torch
 
 class _FusedVocabLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, e, w2, W, last_h, pt_idx, tgt, alpha, beta, cap, chunk):
+    def forward(ctx, h, e, w2, W, last_h, pt_idx, pt_host, tgt, alpha, beta, cap, chunk):
         M = h.shape[0]
         g_h = torch.zeros(M, h.shape[1], dtype=torch.float32, device=h.device)
         g_e = torch.zeros_like(e, dtype=torch.float32) if e is not None else None
@@ -41,11 +41,12 @@ class _FusedVocabLoss(torch.autograd.Function):
             hit[i:j] = (logits.argmax(-1) == t).float()
             del logits
             p = logp.exp_()  # logp is not needed any more: reuse its storage
-            uniq, inv = torch.unique(pt_idx[i:j], return_inverse=True)  # p_t once per distinct position
-            pt = (last_h[uniq].to(W.dtype) @ W.T).float()
+            # p_t once per distinct position: pt_idx is non-decreasing, so the chunk's are rows [lo, hi) of last_h
+            lo, hi = pt_host[i], pt_host[j - 1] + 1  # host ints: no device read
+            pt = (last_h[lo:hi].to(W.dtype) @ W.T).float()
             if cap:
                 pt = torch.tanh(pt / cap) * cap
-            pt = torch.softmax(pt, dim=-1)[inv]
+            pt = torch.softmax(pt, dim=-1)[pt_idx[i:j] - lo]
             diff = p - pt
             del pt
             l1[i:j] = diff.abs().sum(-1)
@@ -73,26 +74,33 @@ class _FusedVocabLoss(torch.autograd.Function):
         dh, de, dw2 = ctx.dtypes
         out_e = (g_total * g_e).to(de) if g_e is not None and ctx.needs_input_grad[1] else None
         out_w2 = (g_total * g_w2).to(dw2) if g_w2 is not None and ctx.needs_input_grad[2] else None
-        return (g_total * g_h).to(dh), out_e, out_w2, None, None, None, None, None, None, None, None
+        return (g_total * g_h).to(dh), out_e, out_w2, None, None, None, None, None, None, None, None, None
 
 
 def fused_vocab_loss(draft, h_MH, prev_M, tgt_M, last_h_UH, pt_idx_M, alpha_M, beta_M, *,
-                     chunk_slots: int | None = None):
+                     chunk_slots: int | None = None, pt_idx_host=None):
     """(S scalar with gradient, ce f32[M], l1 f32[M], hit f32[M]) — see the module docstring.
 
-    last_h_UH: the target's final-normed states of the U distinct positions the slots use; pt_idx_M: the row of
-    each slot in it (slots sorted by it make each chunk's p_t matmul cover ~m/K rows at dense anchors, since
-    up to K blocks supervise the same position). alpha/beta: per-slot coefficients of CE and L1 in the loss
-    (detached), e.g. 0.1·w_i·world/Σw.
+    last_h_UH: the target's final-normed states of the U distinct positions the slots use; pt_idx_M int64[M]: the
+    row of each slot in it, non-decreasing (slots sorted by it, so each chunk's p_t matmul covers one contiguous
+    range of rows, ~m/K of them at dense anchors, since up to K blocks supervise the same position; ValueError
+    otherwise). pt_idx_host: the same as host ints, for the chunk bounds; None = one read of pt_idx_M here
+    (`regen.train.loss.SlotLayout` carries it, so the trainer's loss reads nothing back). alpha/beta: per-slot
+    coefficients of CE and L1 in the loss (detached), e.g. 0.1·w_i·world/Σw.
     """
     cfg = draft.config
     chunk = chunk_slots or max(1, (1 << 25) // cfg.output_vocab_size)
+    pt_host = pt_idx_M.tolist() if pt_idx_host is None else list(pt_idx_host)
+    if len(pt_host) != h_MH.shape[0]:
+        raise ValueError(f"pt_idx_host has {len(pt_host)} entries for {h_MH.shape[0]} slots")
+    if any(b < a for a, b in zip(pt_host, pt_host[1:])):
+        raise ValueError("fused_vocab_loss: pt_idx must be non-decreasing (sort the slots by position first)")
     if draft.markov_head is not None:
         e = draft.markov_head.markov_w1(prev_M)
         w2 = draft.markov_head.markov_w2.weight
     else:
         e = w2 = None
-    total, ce, l1, hit = _FusedVocabLoss.apply(h_MH, e, w2, draft.lm_head.weight, last_h_UH, pt_idx_M, tgt_M,
+    total, ce, l1, hit = _FusedVocabLoss.apply(h_MH, e, w2, draft.lm_head.weight, last_h_UH, pt_idx_M, pt_host, tgt_M,
                                                alpha_M.detach().float(), beta_M.detach().float(),
                                                cfg.final_logit_softcapping, chunk)
     return total, ce, l1, hit

@@ -169,7 +169,8 @@ def make_objective(draft):
 
         def forward(self, batch, features, anchors, keep, weights=(0.1, 0.9, 1.0), denominator=None):
             return dspark_loss(self.draft, batch, features, anchors, keep, weights=weights,
-                               denominator=denominator, metrics_on_device=denominator is not None)
+                               denominator=denominator, metrics_on_device=denominator is not None,
+                               layout=batch.get("slot_layout"))
 
     return Objective(draft)
 
@@ -199,7 +200,7 @@ def prepare_microbatch(mb, seed: int, draft_cfg, device, t2d=None):
     """
     import torch
 
-    from regen.train.loss import sample_anchors
+    from regen.train.loss import sample_anchors, slot_layout
     from regen.train.feed import stable_hash
 
     top = int(mb.input_ids.max())
@@ -209,10 +210,26 @@ def prepare_microbatch(mb, seed: int, draft_cfg, device, t2d=None):
     gen = torch.Generator().manual_seed(stable_hash(seed, mb.epoch, mb.index, "anchors") & ((1 << 62) - 1))
     anchors, keep = sample_anchors(mb.loss_mask, draft_cfg.num_anchors, gen)  # an anchor token is only an input
     loss_mask = mb.loss_mask if t2d is None else mb.loss_mask & t2d.cpu()[mb.input_ids]
+    # the supervised slots' index plan, from the host copies: the loss reads nothing back from the device
+    layout = slot_layout(anchors, keep, loss_mask, draft_cfg.block_size, draft_cfg.loss_decay_gamma,
+                         input_ids=mb.input_ids, t2d=None if t2d is None else t2d.cpu())
     batch = {"input_ids": mb.input_ids.to(device), "loss_mask": loss_mask.to(device),
              "attention_mask": mb.attention_mask.to(device), "key": (mb.epoch, mb.index),
-             "num_tokens": int(mb.attention_mask.sum())}  # counted on the host copy: no device read
+             "num_tokens": int(mb.attention_mask.sum()),  # counted on the host copy: no device read
+             "slot_layout": layout.to(device)}
     return batch, anchors.to(device), keep.to(device)
+
+
+def zero_loss(batch: dict) -> None:
+    """Train `batch` with zero weight (its features failed on every attempt, `on_failure: zero_loss`): its loss
+    mask zeroed and its slot layout emptied to match."""
+    import torch
+
+    from regen.train.loss import SlotLayout
+
+    batch["loss_mask"] = torch.zeros_like(batch["loss_mask"])
+    if "slot_layout" in batch:
+        batch["slot_layout"] = SlotLayout.empty(batch["slot_layout"].num_slots, batch["loss_mask"].device)
 
 
 def run_train(cfg, run, *, follow: bool = False, stop_after_steps: int | None = None,
@@ -434,7 +451,7 @@ def _loop(cfg, info, train_dir, model, source, pool, opt, sched, feed, draft_cfg
         fetch_s = time.perf_counter() - t1
         for b, _, _ in mbs:
             if b["key"] in zero:  # its features failed on every attempt: trained with zero weight, ranks in step
-                b["loss_mask"] = torch.zeros_like(b["loss_mask"])
+                zero_loss(b)
         m = train_step(model, source, opt, mbs, loss_weights=tuple(cfg.loss_weights), grad_clip=cfg.grad_clip,
                        loss_normalization=cfg.loss_normalization)
         if not m["finite"]:  # every rank agreed (train_step): stop before anything is saved

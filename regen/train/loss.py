@@ -10,6 +10,7 @@ state at position a+k (spec: a+k−1 with 1-based k).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -145,9 +146,88 @@ def _global_denominator(local: torch.Tensor, known: float | None = None) -> tupl
     return hot_all_reduce_sum(local, "the loss denominator"), dist.get_world_size()
 
 
+@dataclass(frozen=True)
+class SlotLayout:
+    """Where a micro-batch's supervised slots are: the index plan the loss gathers and scatters with, so that on the
+    training device it sizes every buffer from Python ints and reads nothing back (no boolean-mask indexing,
+    `torch.unique` or `nonzero` there: each is a host synchronisation on a GPU).
+
+    Built by `slot_layout` from the host copies of the anchors, keep flags and loss mask (`regen.train.loop.
+    prepare_microbatch` does, before they go to the device). M = B·N·K slots, flat index b·N·K + n·K + k:
+    sel int64[n]: the slots with weight w > 0, ascending (= `(w.flatten() > 0).nonzero()`);
+    order int64[n]: the stable sort of those slots by their (row, position) key b·S + min(a+k, S−1);
+    back int64[n]: its inverse permutation; uniq int64[U]: the distinct keys, ascending;
+    pt_idx int64[n]: each sorted slot's row in `uniq` (non-decreasing); pt_idx_host: the same as a tuple of
+    Python ints (the fused loss's chunk bounds); vocab_checked: the supervised targets were checked against the draft vocabulary.
+    """
+    sel: torch.Tensor
+    order: torch.Tensor
+    back: torch.Tensor
+    uniq: torch.Tensor
+    pt_idx: torch.Tensor
+    pt_idx_host: tuple  # of ints
+    num_slots: int  # M = B·N·K
+    vocab_checked: bool = False
+
+    @property
+    def n(self) -> int:
+        return len(self.pt_idx_host)
+
+    def to(self, device) -> "SlotLayout":
+        """The index tensors on `device` (asynchronous host-to-device copies; pt_idx_host stays on the host)."""
+        device = torch.device(device)
+        if self.sel.device == device:
+            return self
+        mv = {f: getattr(self, f).to(device, non_blocking=True) for f in ("sel", "order", "back", "uniq", "pt_idx")}
+        return SlotLayout(**mv, pt_idx_host=self.pt_idx_host, num_slots=self.num_slots,
+                          vocab_checked=self.vocab_checked)
+
+    @staticmethod
+    def empty(num_slots: int, device=None) -> "SlotLayout":
+        """No supervised slot (a micro-batch trained with its loss mask zeroed)."""
+        z = torch.zeros(0, dtype=torch.long)
+        return SlotLayout(z, z, z, z, z, (), num_slots, vocab_checked=True).to(device or "cpu")
+
+
+def slot_layout(anchors_BN, keep_BN, loss_mask_BS, block_size: int, loss_decay_gamma: float = 4.0, *,
+                input_ids=None, t2d=None) -> SlotLayout:
+    """The `SlotLayout` of a micro-batch, on the device of `anchors_BN`. On the host (the trainer's case) this reads
+    no device; given device tensors it makes one host read (the weights, positions and vocabulary flags together).
+
+    input_ids int[B, S] and t2d bool[V] (a reduced draft vocabulary, `DSparkDraft.t2d`): every supervised target
+    must lie inside it, else ValueError (mask such targets out of the loss mask first, `DSparkDraft.in_draft_vocab`).
+    """
+    B, N = anchors_BN.shape
+    S, K = loss_mask_BS.shape[1], block_size
+    ev = evaluation_mask(anchors_BN, keep_BN, loss_mask_BS, K)
+    w = (ev * decay_weights(K, loss_decay_gamma, ev.device)).flatten()
+    pos = slot_positions(anchors_BN, K).clamp(max=S - 1)
+    parts = [w.double(), pos.flatten().double()]
+    check = t2d is not None and input_ids is not None
+    if check:
+        tgt = input_ids.long().gather(1, (slot_positions(anchors_BN, K) + 1).clamp(max=S - 1).flatten(1)).flatten()
+        parts.append(t2d.to(tgt.device)[tgt].double())
+    if anchors_BN.device.type != "cpu":  # one read of every value the plan needs
+        host = torch.cat(parts).cpu()
+        M = B * N * K
+        parts = [host[i * M:(i + 1) * M] for i in range(len(parts))]
+    w, pos = parts[0], parts[1].long()
+    sel = (w > 0).nonzero().flatten()
+    if check and not bool(parts[2][sel].all()):
+        raise ValueError("supervised target tokens outside the draft vocabulary: mask them out of the loss "
+                         "with DSparkDraft.in_draft_vocab (regen.train.loop does)")
+    key = (torch.arange(B)[:, None] * S + pos.view(B, N * K)).flatten()[sel]
+    order = torch.argsort(key, stable=True)
+    uniq, pt_idx = torch.unique(key[order], return_inverse=True)
+    back = torch.empty_like(order)
+    back[order] = torch.arange(order.numel())
+    lay = SlotLayout(sel, order, back, uniq, pt_idx, tuple(pt_idx.tolist()), B * N * K, vocab_checked=check)
+    return lay.to(anchors_BN.device)
+
+
 def dspark_loss(draft, batch: dict, features, anchors=None, keep=None, *, generator=None,
                 weights=LOSS_WEIGHTS, chunk_slots: int | None = None, fused: bool = True,
-                denominator: float | None = None, metrics_on_device: bool = False):
+                denominator: float | None = None, metrics_on_device: bool = False, layout: SlotLayout | None = None):
     """The DSpark loss for one micro-batch (spec §5). Returns (loss scalar tensor, metrics dict of floats).
 
     batch: `input_ids` int[B, S], `loss_mask` {0,1}[B, S], optional `attention_mask` [B, S], `position_ids`.
@@ -166,6 +246,12 @@ def dspark_loss(draft, batch: dict, features, anchors=None, keep=None, *, genera
     denominator: Σ_global w of this micro-batch when the caller knows it (no collective here).
     metrics_on_device: metrics as 0-d tensors on the training device (no host read; the trainer reads them
     once per log step) instead of Python numbers.
+    layout: the micro-batch's `SlotLayout` (from `slot_layout` on the host copies of anchors, keep and loss mask);
+    None = built here (one host read when the tensors are on a device). ValueError when it does not fit.
+
+    Host synchronisations: none on the device with a layout and metrics_on_device (every buffer is sized from the
+    layout's Python ints; the layout's agreement with the loss mask is asserted on the device, asynchronously);
+    without a layout, the one read of `slot_layout`.
     """
     taps, last_hidden = features
     ids, lm = batch["input_ids"], batch["loss_mask"]
@@ -182,30 +268,40 @@ def dspark_loss(draft, batch: dict, features, anchors=None, keep=None, *, genera
     ev = evaluation_mask(anchors, keep, lm, K)
     w = ev * decay_weights(K, cfg.loss_decay_gamma, ev.device)
 
-    sel = w.flatten() > 0  # only supervised slots enter the vocabulary-wide terms
-    h_sel = hidden.flatten(0, 2)[sel]
-    prev_sel, w_sel = prev_ids.flatten()[sel], w.flatten()[sel]
-    tgt_sel = draft.to_draft_index(tgt_ids.flatten()[sel])  # output-row indices (== ids with the full vocab)
+    if layout is None:
+        t2d = draft.t2d if cfg.draft_vocab_size else None
+        layout = slot_layout(anchors, keep, lm, K, cfg.loss_decay_gamma, input_ids=ids, t2d=t2d)
+    elif cfg.draft_vocab_size and not layout.vocab_checked:
+        raise ValueError("the slot layout was built without the draft vocabulary: pass input_ids and t2d to "
+                         "slot_layout (regen.train.loop.prepare_microbatch does)")
+    lay = layout.to(hidden.device)
+    if lay.num_slots != w.numel():
+        raise ValueError(f"the slot layout covers {lay.num_slots} slots, this micro-batch has {w.numel()}: build it "
+                         "from this micro-batch's anchors")
+    # the layout must be this micro-batch's (the loss mask unchanged since): checked on the device, no host read
+    sel, w_flat = lay.sel, w.flatten()  # only supervised slots enter the vocabulary-wide terms
+    h_sel = hidden.flatten(0, 2).index_select(0, sel)
+    prev_sel, w_sel = prev_ids.flatten().index_select(0, sel), w_flat.index_select(0, sel)
+    torch._assert_async(((w_flat > 0).sum() == lay.n) & (w_sel > 0).all(), "the slot layout does not match the "
+                        "loss mask: rebuild it with slot_layout after changing the loss mask")
+    tgt_sel = draft.to_draft_index(tgt_ids.flatten().index_select(0, sel), check=False)  # output rows (checked)
     denom, world = _global_denominator(w.sum(), denominator)
     denom = max(denom, 1e-6) if isinstance(denom, float) else denom.clamp(min=1e-6)
     scale = w_sel / denom * world  # Σ over ranks of Σ scale·term = the global weighted mean (spec §5)
     if fused:
         from regen.train.fused_loss import fused_vocab_loss
 
-        # order slots by (row, position) so each chunk computes p_t once per distinct position
-        key = (torch.arange(B, device=pos.device)[:, None, None] * S + pos).flatten()[sel]
-        order = torch.argsort(key, stable=True)
-        uniq, pt_idx = torch.unique(key[order], return_inverse=True)
+        # slots ordered by (row, position) so each chunk computes p_t once per distinct position
+        order = lay.order
         vocab_loss, ce, l1, hit = fused_vocab_loss(
-            draft, h_sel[order], prev_sel[order], tgt_sel[order], last_hidden.flatten(0, 1)[uniq], pt_idx,
-            weights[0] * scale[order], weights[1] * scale[order], chunk_slots=chunk_slots)
-        back = torch.empty_like(order)
-        back[order] = torch.arange(order.numel(), device=order.device)
-        ce, l1, hit = ce[back], l1[back], hit[back]
+            draft, h_sel[order], prev_sel[order], tgt_sel[order], last_hidden.flatten(0, 1).index_select(0, lay.uniq),
+            lay.pt_idx, weights[0] * scale[order], weights[1] * scale[order], chunk_slots=chunk_slots,
+            pt_idx_host=lay.pt_idx_host)
+        ce, l1, hit = ce[lay.back], l1[lay.back], hit[lay.back]
     else:
         with torch.no_grad():
             lh = last_hidden.gather(1, pos.flatten(1)[..., None].expand(-1, -1, last_hidden.shape[-1]))
-            lh_sel = lh.flatten(0, 1)[sel]
+            lh_sel = lh.flatten(0, 1).index_select(0, sel)
         ce, l1, hit = vocab_terms(draft, h_sel, prev_sel, tgt_sel, lh_sel, chunk_slots=chunk_slots)
         vocab_loss = weights[0] * (scale * ce).sum() + weights[1] * (scale * l1).sum()
     c_star = (1.0 - 0.5 * l1.detach()).clamp(0.0, 1.0)
@@ -218,10 +314,8 @@ def dspark_loss(draft, batch: dict, features, anchors=None, keep=None, *, genera
 
     with torch.no_grad():
         M = w.numel()
-        full_cstar = torch.zeros(M, device=w.device)
-        full_cstar[sel] = c_star
-        match = torch.zeros(M, device=w.device)
-        match[sel] = hit
+        full_cstar = torch.zeros(M, device=w.device).index_put_((sel,), c_star)
+        match = torch.zeros(M, device=w.device).index_put_((sel,), hit)
         if metrics_on_device:
             nsb = (ev[..., 0] > 0).sum()
             n_blocks = nsb.clamp(min=1)

@@ -155,12 +155,13 @@ class DSparkDraft(nn.Module):
         """Output-row indices (argmax of the logits) -> target token ids (identity with the full vocabulary)."""
         return idx if not self.config.draft_vocab_size else idx + self.d2t[idx]
 
-    def to_draft_index(self, target_ids: torch.Tensor) -> torch.Tensor:
+    def to_draft_index(self, target_ids: torch.Tensor, *, check: bool = True) -> torch.Tensor:
         """Target ids -> output-row indices. Raises ValueError for ids outside the draft vocabulary (mask them
-        out of the loss first: `in_draft_vocab`)."""
+        out of the loss first: `in_draft_vocab`). check=False: the caller checked them already (on the host,
+        `regen.train.loss.slot_layout`), so no device value is read here."""
         if not self.config.draft_vocab_size:
             return target_ids
-        if target_ids.numel() and not bool(self.t2d[target_ids].all()):
+        if check and target_ids.numel() and not bool(self.t2d[target_ids].all()):
             raise ValueError("supervised target tokens outside the draft vocabulary: mask them out of the loss "
                              "with DSparkDraft.in_draft_vocab (regen.train.loop does)")
         return torch.cumsum(self.t2d, 0)[target_ids] - 1

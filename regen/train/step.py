@@ -19,8 +19,10 @@ def train_step(model, target, opt, microbatches, *, loss_weights=(0.1, 0.9, 1.0)
     every rank; the caller stops, `regen.train.guard`), `bad_microbatches` (this rank's indices with a non-finite
     loss or features) and `feature_breaches` (this rank's contract errors of non-finite feature values, from
     `target.take_breaches()` when it has one).
-    Device synchronisations: two per step (the loss weights, for the control-plane all-reduce, and the
-    finiteness flags before the optimizer step); the metric sums and the grad norm stay on the training device
+    Device synchronisations: none per micro-batch (the loss sizes its buffers from the host-built slot layout,
+    `regen.train.loss.SlotLayout`); three per step (the loss weights, for the control-plane all-reduce, the
+    finiteness flags before the optimizer step, and remote features' value counts, read on the copy stream in
+    `target.take_breaches()`); the metric sums and the grad norm stay on the training device
     until `reduce_metrics` reads them at a log step. Each micro-batch's features are released to `target`
     (`target.release(batch)`, when it has one) after its backward: remote features keep at most two objects on
     the device (`regen.train.features.staging`).

@@ -280,9 +280,10 @@ class IntoStore:
         buf[:nbytes].copy_(torch.frombuffer(bytearray(self.objects[key]), dtype=torch.uint8))
 
 
+@pytest.mark.parametrize("defer", [False, True])  # True: the GPU's way, counted on the device, read in take_breaches
 @pytest.mark.parametrize("store_kind", ["get", "get_into"])
 def test_remote_features_zero_a_failed_micro_batch_and_refuse_non_finite_values_when_handed_over(monkeypatch,
-                                                                                                 store_kind):
+                                                                                                 store_kind, defer):
     """Through `RemoteFeatures` on CPU, with a store read through its buffer (`get`: one copy after it) or straight
     into registered host slots (`get_into`: none): a micro-batch failed on every attempt is a failure of `fetch`
     (known before the step) and is handed over as zeros of its shapes, counted resident like any object; an object
@@ -318,7 +319,7 @@ def test_remote_features_zero_a_failed_micro_batch_and_refuse_non_finite_values_
         store = SimpleNamespace(get=lambda key: (memoryview(objects[key]), None))
     else:
         store = IntoStore(objects)
-    remote = RemoteFeatures("http://test", store, SPEC, SimpleNamespace(device="cpu"), "cpu")
+    remote = RemoteFeatures("http://test", store, SPEC, SimpleNamespace(device="cpu"), "cpu", defer_value_checks=defer)
     failures = remote.fetch(mbs)
     assert [(f.index, f.reason) for f in failures] == [(1, "producer crashed 3 times")]
     st = remote.staging.stats

@@ -11,9 +11,10 @@ the ranks agree on it (`FeaturePool.fetch_step`). Nothing is on the device yet b
 `features_of(batch)` hands the loss exactly what `TargetFeatures.features` would: (taps [B, S, T·Ht],
 last_hidden [B, S, Ht]) in the feature dtype, on the rank's device; it issues the asynchronous device copy of the
 next micro-batch before it returns (`regen.train.features.staging`), applies the target's final norm when the
-producer declared its last hidden state pre-norm, and checks the values (`contract.check_values`, on the device,
-queued on the copy stream: its one host read per micro-batch waits for the copy, not for the training stream's
-queued compute); a non-finite object is not raised there, mid-step, but recorded for `take_breaches`, and
+producer declared its last hidden state pre-norm, and checks the values: on a GPU counted on the device, queued on
+the copy stream after the object's copy (`contract.value_summary`), nothing read back per micro-batch; the counts
+of a step's objects are read once, in `take_breaches` (on CPU, where the device is the host, `contract.
+check_values` at once). A non-finite object is not raised there, mid-step, but recorded for `take_breaches`, and
 `regen.train.step.train_step` makes the step non-finite on every rank with it. `release(batch)`
 (`regen.train.step.train_step`, after the micro-batch's backward) frees its device slot, so at most
 `staging.DEVICE_RESIDENT_OBJECTS` (2) objects are on the device at once, whatever grad_accum.
@@ -31,7 +32,8 @@ import time
 from dataclasses import dataclass
 
 from regen.errors import InputError
-from regen.train.features.contract import FeatureContractError, FeatureSpec, check_header, check_values, read_header
+from regen.train.features.contract import (FeatureContractError, FeatureSpec, check_header, check_values, read_header,
+                                           value_breach, value_summary)
 from regen.train.features.dispatcher import post
 
 log = logging.getLogger(__name__)
@@ -49,7 +51,7 @@ class RemoteFeatures:
     """Features of this rank's micro-batches from producers (see the module docstring)."""
 
     def __init__(self, url: str, store, spec: FeatureSpec, head, device, *, no_producer_timeout_s: float = 120.0,
-                 startup_timeout_s: float = 600.0, poll_s: float = 2.0):
+                 startup_timeout_s: float = 600.0, poll_s: float = 2.0, defer_value_checks: bool | None = None):
         self.url, self.store, self.spec, self.head, self.device = url, store, spec, head, device
         self.no_producer_timeout_s, self.startup_timeout_s, self.poll_s = no_producer_timeout_s, startup_timeout_s, poll_s
         self._queue: dict[tuple[int, int], tuple] = {}  # fetched, in training order: (Staged, header | None)
@@ -61,6 +63,13 @@ class RemoteFeatures:
         self.staging = Staging(device, register=store.register if self._into else None,
                                unregister=store.unregister if self._into else None)
         self.breaches: dict[tuple[int, int], str] = {}  # non-finite values seen in features_of (take_breaches)
+        # value checks counted on the device and read once per step (take_breaches): no host read per micro-batch.
+        # Default off CPU only: on CPU the device is the host, and the immediate check's fast path is cheaper.
+        import torch
+
+        self.defer_value_checks = (torch.device(device).type != "cpu" if defer_value_checks is None
+                                   else bool(defer_value_checks))
+        self._pending_checks: list[tuple] = []  # (key, header, seq_len, value_summary on the device)
         self.stats = {"objects": 0, "bytes": 0, "wait_s": 0.0, "first_wait_s": None, "read_s": 0.0, "failed": 0,
                       "pre_norm_applied": 0}
 
@@ -158,7 +167,10 @@ class RemoteFeatures:
             raise RuntimeError(f"features of micro-batch {batch.get('key')} were not fetched") from None
         taps, last = self.staging.ready(staged)  # issued one micro-batch ago: copied during the last compute
         self._out[key] = staged
-        if header is not None:
+        if header is not None and self.defer_value_checks:
+            with self.staging.on_copy_stream():  # queued after this object's copy; nothing read back here
+                self._pending_checks.append((key, header, taps.shape[1], value_summary(taps, last)))
+        elif header is not None:
             with self.staging.on_copy_stream():  # its host read waits for this copy, not the queued compute
                 try:
                     check_values(header, taps, last, epoch=key[0], index=key[1])  # non-finite: a contract breach
@@ -176,7 +188,19 @@ class RemoteFeatures:
 
     def take_breaches(self) -> dict[tuple[int, int], str]:
         """{(epoch, index): the contract error} of the micro-batches handed over since the last call whose values
-        were not finite (checked on the device in `features_of`), cleared."""
+        were not finite (checked on the device in `features_of`), cleared. With deferred checks, the counts of
+        every object handed over since the last call are read here, in one host read on the copy stream
+        (`regen.train.step.train_step` calls this once per step, after its finiteness flags)."""
+        if self._pending_checks:
+            import torch
+
+            pending, self._pending_checks = self._pending_checks, []
+            with self.staging.on_copy_stream():
+                host = torch.stack([p[3] for p in pending]).cpu().tolist()
+            for (key, header, seq_len, _), summary in zip(pending, host):
+                msg = value_breach(header, summary, seq_len, epoch=key[0], index=key[1])
+                if msg is not None:
+                    self.breaches[key] = msg
         out, self.breaches = self.breaches, {}
         return out
 

@@ -241,11 +241,46 @@ def check_values(header: dict, taps, last_hidden, *, epoch: int, index: int) -> 
             continue
         bad = ~ok
         row, pos = (int(x) for x in bad.any(dim=-1).nonzero()[0])
-        ids = header.get("sample_ids") or []
-        raise FeatureContractError(
-            f"{_where(header, epoch, index)} breaks the feature contract: {name} holds {int(bad.sum())} non-finite "
-            f"values, the first at row {row} ({ids[row] if row < len(ids) else '?'}), position {pos} — the producer's "
-            "target diverged or overflowed in its dtype: check its checkpoint and dtype (bfloat16/float32), restart it")
+        summary = [[0, 0], [0, 0]]
+        summary[name == "last_hidden"] = [int(bad.sum()), row * t.shape[1] + pos]
+        raise FeatureContractError(value_breach(header, summary, t.shape[1], epoch=epoch, index=index))
+
+
+def value_summary(taps, last_hidden, *, positions_per_pass: int = 4096):
+    """The non-finite values of `taps` [B, S, T*H] and `last_hidden` [B, S, H], counted on their device without a
+    host read: int64[2, 2], per tensor (taps, last_hidden) the number of NaN or inf values and the flat index
+    row·S + position of the first position holding one (0 when none). Exact, every value counted (padding too),
+    `positions_per_pass` positions at a time so the temporary flags stay small (about 150 MB per pass at K3's
+    35,840 tap channels). Read it later, with other values (`RemoteFeatures.take_breaches`, once per step), and
+    turn a non-zero count into the contract error with `value_breach`."""
+    import torch
+
+    out = []
+    for t in (taps, last_hidden):
+        S = t.shape[1]
+        count = torch.zeros((), dtype=torch.long, device=t.device)
+        pos_bad = []
+        for a in range(0, max(S, 1), positions_per_pass):
+            bad = ~torch.isfinite(t[:, a:a + positions_per_pass])
+            count = count + bad.sum()
+            pos_bad.append(bad.any(dim=-1))
+        first = torch.cat(pos_bad, dim=1).flatten().to(torch.uint8).argmax() if t.numel() else count
+        out.append(torch.stack([count, first.long()]))
+    return torch.stack(out)
+
+
+def value_breach(header: dict, summary, seq_len: int, *, epoch: int, index: int) -> str | None:
+    """The contract error's message for a read `value_summary` (host ints [[count, first], [count, first]]) of an
+    object of `seq_len` positions, or None when every value is finite. Same wording as `check_values`."""
+    for name, (count, first) in zip(("taps", "last_hidden"), summary):
+        if count:
+            row, pos = divmod(int(first), seq_len)
+            ids = header.get("sample_ids") or []
+            return (f"{_where(header, epoch, index)} breaks the feature contract: {name} holds {int(count)} "
+                    f"non-finite values, the first at row {row} ({ids[row] if row < len(ids) else '?'}), position "
+                    f"{pos} — the producer's target diverged or overflowed in its dtype: check its checkpoint and "
+                    "dtype (bfloat16/float32), restart it")
+    return None
 
 
 def check_header(header: dict, spec: FeatureSpec, *, epoch: int, index: int, input_ids, attention_mask) -> None:
