@@ -159,22 +159,24 @@ class K3Bench:
         self.Ht, self.T = cfg.target_hidden_size, len(cfg.target_layer_ids)
 
     def row(self, length: int, seed: int):
-        """((batch, anchors, keep), (taps, last_hidden)) of a synthetic row: random ids, the last 3/4 supervised."""
-        torch, cfg, device = self.torch, self.cfg, self.device
-        from regen.train.loss import sample_anchors
+        """((batch, anchors, keep), (taps, last_hidden)) of a synthetic row (random ids, the last 3/4 supervised),
+        prepared by the trainer's own `prepare_microbatch` (anchors, the loss's slot layout, all on the host)."""
+        from types import SimpleNamespace
 
+        from regen.train.loop import prepare_microbatch
+
+        torch, cfg, device = self.torch, self.cfg, self.device
         g = torch.Generator().manual_seed(seed)
-        ids = torch.randint(3, cfg.vocab_size - 8, (1, length), generator=g)
         loss_mask = torch.zeros(1, length, dtype=torch.long)
         loss_mask[:, length // 4:] = 1
-        anchors, keep = sample_anchors(loss_mask, cfg.num_anchors, g)
-        batch = {"input_ids": ids.to(device), "loss_mask": loss_mask.to(device),
-                 "attention_mask": torch.ones(1, length, dtype=torch.long, device=device), "key": (0, seed),
-                 "num_tokens": length}
+        mb = SimpleNamespace(epoch=0, index=seed, sample_ids=[f"gpu-check-{seed}"], loss_mask=loss_mask,
+                             input_ids=torch.randint(3, cfg.vocab_size - 8, (1, length), generator=g),
+                             attention_mask=torch.ones(1, length, dtype=torch.long))
+        batch, anchors, keep = prepare_microbatch(mb, 0, cfg, device)
         gd = torch.Generator(device=device).manual_seed(seed)
         feats = (torch.randn(1, length, self.T * self.Ht, generator=gd, device=device, dtype=torch.bfloat16),
                  torch.randn(1, length, self.Ht, generator=gd, device=device, dtype=torch.bfloat16))
-        return (batch, anchors.to(device), keep.to(device)), feats
+        return (batch, anchors, keep), feats
 
     def sync(self):
         if not self.cpu:

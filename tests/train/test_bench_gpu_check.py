@@ -90,7 +90,7 @@ def test_on_the_gpu_image_as_it_is_the_carried_wheels_take_it_past_every_import(
         "no .gpu-wheels/: scripts/setup.sh downloads them (bash scripts/gpu-wheels.sh)"
     site = tmp_path / "image"
     site.mkdir()
-    pins = [ln.split("==")[0] for ln in (ROOT / "bench" / "gpu-wheels.txt").read_text().splitlines()
+    pins = [ln.split("==")[0] for ln in (ROOT / "requirements" / "gpu-wheels.txt").read_text().splitlines()
             if ln.strip() and not ln.startswith("#")]
     (site / "sitecustomize.py").write_text(IMAGE_SITECUSTOMIZE % {
         "packages": str(ROOT / "bench" / "gpu-image-packages.txt"), "lacks": (*pins, *NOT_ON_IMAGE)})
