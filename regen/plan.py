@@ -47,7 +47,7 @@ import numpy as np
 from regen.config import Profile, resolve_path
 from regen.errors import InputError
 from regen.report.cells import cell_plan, mode_factor, out_tokens, print_cells, set_template_kwargs
-from regen.train.features.plan import feature_plan
+from regen.train.features.plan import feature_plan, host_plan
 from regen.preflight import PreflightError, check_profile, effective_render_config
 from regen.rundir import RunDir
 from regen.serve.engines import serving_rows, support_report
@@ -305,7 +305,7 @@ def draft_plan(profile: Profile, a, shard_tokens: float) -> dict:
     v_out = cfg.draft_vocab_size or cfg.vocab_size
     taps = len(cfg.target_layer_ids)
     from regen.train.features.staging import DEVICE_RESIDENT_OBJECTS
-    from regen.train.memory import host_staging_bytes, step_memory_bytes, step_memory_formulas
+    from regen.train.memory import step_memory_bytes, step_memory_formulas
 
     p_layer = sum(p.numel() for p in model.layers[0].parameters()) if len(model.layers) else 0
     producers = t.features == "producers"
@@ -329,11 +329,7 @@ def draft_plan(profile: Profile, a, shard_tokens: float) -> dict:
                   "num_anchors": cfg.num_anchors, "block_size": cfg.block_size, "output_vocab": v_out},
         "memory_per_gpu_gib": {k: round(v / GiB, 2) for k, v in mem.items()} | {"total": round(sum(mem.values()) / GiB, 2)},
         "memory_formulas": formulas, "micro_batch_tokens": T, "world_size": W,
-        "host_memory_per_gpu_gib": {"feature_staging": round(host_staging_bytes(
-            cfg, tokens=T, grad_accum=t.grad_accum) / GiB, 2) if producers else 0.0},
-        "host_memory_formulas": {"feature_staging": (
-            f"{t.grad_accum} pinned slot(s) x {T} x ({taps} + 1) x {cfg.target_hidden_size} x 2 B (a step's objects, "
-            "read out of the store before its first forward)") if producers else "in process: none"},
+        **host_plan(t, cfg, W, producers),  # regen.train.features.plan: the feature client's host memory
         "training_tokens": int(D), "epochs": epochs, "training_flops": flops,
         "flops_formula": (f"6 x {p_train:,} x {int(D):,}" + (
             f" (the target's forward, 2 x {int(n_target):,} x {int(D):,} = {target_flops:.3e}, runs on the "
@@ -550,8 +546,11 @@ def print_plan(plan: dict) -> None:
                   d["target_config"]]]
         rows += [[f"memory/GPU {k}", _gib(mem[k]), d["memory_formulas"][k]] for k in d["memory_formulas"]]
         rows += [["memory/GPU total", _gib(mem["total"]), f"W={d['world_size']}, T={d['micro_batch_tokens']}"],
-                 ["host/GPU feature slots", _gib(d["host_memory_per_gpu_gib"]["feature_staging"]),
-                  d["host_memory_formulas"]["feature_staging"]],
+                 *[[f"host/GPU {k.replace('feature_staging', 'feature slots').replace('_', ' ')}",
+                    _gib(d["host_memory_per_gpu_gib"][k]), d["host_memory_formulas"][k]]
+                   for k in d["host_memory_formulas"]],
+                 *([["host/GB200 tray", f"{d['host_tray']['bytes'] / 1e9:,.0f} GB", d["host_tray"]["holds_text"]]]
+                   if "host_tray" in d else []),
                  ["training FLOPs", f"{d['training_flops']:.3e}", d["flops_formula"]],
                  ["training time", f"{d['training_hours']:,} h", d["time_formula"]]]
     elif d:

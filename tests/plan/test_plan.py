@@ -41,7 +41,7 @@ def test_kimi_k3_plans_without_a_request(k3_env, monkeypatch, tmp_path, capsys):
     assert "server-hours =" in out and "memory/GPU optimizer" in out
     # features with producers: 2 objects on the GPU (issue 26 point 3), a step's 16 in pinned host memory, apart
     assert d["memory_per_gpu_gib"]["features"] == 10.5 and d["host_memory_per_gpu_gib"]["feature_staging"] == 84.0
-    assert "host/GPU feature slots" in out  # pinned host memory per GPU, apart from its total
+    assert "host/GPU feature slots" in out and "host/GB200 tray" in out  # host memory per GPU, apart from its total
     # the target's forward runs on the producers (issue 19): not in the trainer's FLOPs, stated beside them
     assert d["training_flops"] == pytest.approx(6 * d["params_trainable"] * d["training_tokens"])
     assert d["producer_flops"] == pytest.approx(2 * 32e9 * d["training_tokens"]) and "producers' GPUs" in out
