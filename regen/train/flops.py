@@ -120,3 +120,35 @@ def plan_flops(cfg, *, rows: float, tokens_per_row: float, supervised_per_row: f
                     + ", ".join(f"{k} {per_row[k] / 1e12:,.2f}" for k in PARTS)
                     + "; regen/train/flops.py)"),
     }
+
+
+def training_figures(cfg, a: dict, *, rows: float, shard_tokens: float, supervised: float, epochs: int,
+                     p_trainable: int, max_len: int, max_tokens: int, producers: bool) -> dict:
+    """`regen plan`'s training FLOPs, time and MFU figures (keys of its `draft` section): `plan_flops` of the plan's
+    rows (mean tokens per row = shard tokens / rows, cut at max_len; N from the supervised tokens per row), the
+    target's forward 2·N_active·D beside it (on the producers' GPUs with `producers`, else on the trainer's), time =
+    FLOPs / (W x gpu_peak_tflops x mfu), and the seconds per row that time implies beside the plan's assumed
+    `trainer_seconds_per_row` (the MFU that assumption would mean). `a`: the plan's assumptions."""
+    mean = min(shard_tokens / rows, max_len) if rows else 0.0
+    f = plan_flops(cfg, rows=rows, tokens_per_row=mean, supervised_per_row=supervised / rows if rows else 0.0,
+                   epochs=epochs, p_trainable=p_trainable, max_tokens=max_tokens)
+    D, n_target, W = rows * mean * epochs, a["target_active_params"], a["world_size"]
+    target = 2 * n_target * D
+    flops = f["flops"] + (0.0 if producers else target)
+    peak = a["gpu_peak_tflops"] * 1e12
+    row_s = f["per_row"]["total"] / (peak * a["mfu"])
+    assumed = a.get("trainer_seconds_per_row") or 0.0
+    where = (f" (the target's forward, 2 x {n_target:,.0f} x {D:,.0f} = {target:.3e}, runs on the producers' GPUs)"
+             if producers else f" + the target's forward 2 x {n_target:,.0f} x {D:,.0f}"
+             + ("" if n_target else " (not counted: plan.target_active_params is 0)"))
+    return {
+        "training_tokens": int(D), "epochs": epochs, "training_flops": flops, "flops_formula": f["formula"] + where,
+        "flops_per_row_tflop": {k: round(v / 1e12, 2) for k, v in f["per_row"].items()}, "row_shape": f["row_shape"],
+        "flops_per_max_row_tflop": {k: round(v / 1e12, 2) for k, v in f["per_max_row"].items()},
+        "six_p_d_flops": f["six_p_d"], "producer_flops": target if producers else 0.0,
+        "training_hours": round(flops / (W * peak * a["mfu"]) / 3600, 2),
+        "time_formula": f"FLOPs / ({W} x {a['gpu_peak_tflops']} TFLOPS x {a['mfu']} MFU)",
+        "trainer_seconds_per_row": {"at_mfu": round(row_s, 4), "assumed": assumed,
+                                    "mfu_of_assumed": round(f["per_row"]["total"] / (assumed * peak), 4)
+                                    if assumed else None},
+    }
