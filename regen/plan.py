@@ -29,9 +29,11 @@ Formulas (printed with the figures):
     (held through accumulation), AdamW state, resident feature objects (2 with producers), saved activations and
     the fused loss's buffers, each term's formula in `regen.train.memory` and printed beside its figure by
     `regen plan`; apart, the host's pinned feature staging per GPU (a step's objects)
-  training FLOPs  = 6 x P_trainable x D + 2 x N_target_active x D (draft forward+backward per token, Kaplan et
-                    al. 2020; target forward only), D = training tokens = shard tokens x train.epochs
-  training time   = FLOPs / (W x gpu_peak_tflops x 1e12 x mfu)
+  training FLOPs  = rows x epochs x the draft's forward + backward of the mean row, counted per part (context,
+                    K/V, block side, attention, loss: `regen.train.flops`) + 2 x N_target_active x D (the target's
+                    forward, on the producers' GPUs with producers), D = training tokens = shard tokens x epochs
+  training time   = FLOPs / (W x gpu_peak_tflops x 1e12 x mfu); seconds per row at that MFU beside the assumed
+                    plan.trainer_seconds_per_row
 """
 from __future__ import annotations
 
@@ -47,7 +49,7 @@ import numpy as np
 from regen.config import Profile, resolve_path
 from regen.errors import InputError
 from regen.report.cells import cell_plan, mode_factor, out_tokens, print_cells, set_template_kwargs
-from regen.train.features.plan import feature_plan
+from regen.train.features.plan import feature_plan, host_plan
 from regen.preflight import PreflightError, check_profile, effective_render_config
 from regen.rundir import RunDir
 from regen.serve.engines import serving_rows, support_report
@@ -288,8 +290,9 @@ def target_config(profile: Profile) -> tuple[object | None, str]:
     return None, f"unknown: train.target {raw!r} not readable"
 
 
-def draft_plan(profile: Profile, a, shard_tokens: float) -> dict:
-    """Parameters, memory per GPU under FSDP2 and training time (formulas in the module doc)."""
+def draft_plan(profile: Profile, a, shard_tokens: float, rows: float = 0.0, supervised: float = 0.0) -> dict:
+    """Parameters, memory per GPU under FSDP2, host memory, training FLOPs and time (formulas in the module doc) for
+    `rows` shard rows of `shard_tokens` tokens, `supervised` of them supervised."""
     from regen.train.loop import build_draft_config
     from regen.train.model import build_meta
 
@@ -303,9 +306,8 @@ def draft_plan(profile: Profile, a, shard_tokens: float) -> dict:
     p_frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
     W, T = a["world_size"], t.max_tokens
     v_out = cfg.draft_vocab_size or cfg.vocab_size
-    taps = len(cfg.target_layer_ids)
     from regen.train.features.staging import DEVICE_RESIDENT_OBJECTS
-    from regen.train.memory import host_staging_bytes, step_memory_bytes, step_memory_formulas
+    from regen.train.memory import step_memory_bytes, step_memory_formulas
 
     p_layer = sum(p.numel() for p in model.layers[0].parameters()) if len(model.layers) else 0
     producers = t.features == "producers"
@@ -317,31 +319,19 @@ def draft_plan(profile: Profile, a, shard_tokens: float) -> dict:
     formulas = step_memory_formulas(cfg, tokens=T, world_size=W, grad_accum=t.grad_accum, p_trainable=p_train,
                                     p_frozen=p_frozen, p_layer=p_layer, resident_feature_objects=resident, c=c,
                                     producers=producers)
+    from regen.train.flops import training_figures
+
     epochs = t.epochs or 1
-    D = shard_tokens * epochs
-    n_target = a["target_active_params"]  # with producers, the target's forward runs on their GPUs
-    target_flops = 2 * n_target * D
-    flops = 6 * p_train * D + (0 if producers else target_flops)
-    seconds = flops / (W * a["gpu_peak_tflops"] * 1e12 * a["mfu"])
+    train = training_figures(cfg, a, rows=rows, shard_tokens=shard_tokens, supervised=supervised, epochs=epochs,
+                             p_trainable=p_train, max_len=t.max_len, max_tokens=T, producers=producers)
     return {
         "target_config": source, "params_trainable": p_train, "params_frozen": p_frozen,
         "draft": {"layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size, "taps": list(cfg.target_layer_ids),
                   "num_anchors": cfg.num_anchors, "block_size": cfg.block_size, "output_vocab": v_out},
         "memory_per_gpu_gib": {k: round(v / GiB, 2) for k, v in mem.items()} | {"total": round(sum(mem.values()) / GiB, 2)},
         "memory_formulas": formulas, "micro_batch_tokens": T, "world_size": W,
-        "host_memory_per_gpu_gib": {"feature_staging": round(host_staging_bytes(
-            cfg, tokens=T, grad_accum=t.grad_accum) / GiB, 2) if producers else 0.0},
-        "host_memory_formulas": {"feature_staging": (
-            f"{t.grad_accum} pinned slot(s) x {T} x ({taps} + 1) x {cfg.target_hidden_size} x 2 B (a step's objects, "
-            "read out of the store before its first forward)") if producers else "in process: none"},
-        "training_tokens": int(D), "epochs": epochs, "training_flops": flops,
-        "flops_formula": (f"6 x {p_train:,} x {int(D):,}" + (
-            f" (the target's forward, 2 x {int(n_target):,} x {int(D):,} = {target_flops:.3e}, runs on the "
-            "producers' GPUs)" if producers else f" + 2 x {int(n_target):,} x {int(D):,}"
-            + ("" if n_target else " (target forward not counted: plan.target_active_params is 0)"))),
-        "producer_flops": target_flops if producers else 0.0,
-        "training_hours": round(seconds / 3600, 2), "serving": support_report(cfg),
-        "time_formula": f"FLOPs / ({W} x {a['gpu_peak_tflops']} TFLOPS x {a['mfu']} MFU)",
+        **host_plan(t, cfg, W, producers),  # regen.train.features.plan: the feature client's host memory
+        **train, "serving": support_report(cfg),  # regen.train.flops: FLOPs counted per part, time, MFU
     }
 
 
@@ -500,7 +490,7 @@ def build_plan(profile: Profile, run: RunDir, *, pilot: int = 0, sample: int = 2
                               "(category, first/later turn), over requested units (units x P(reached)): rows = "
                               "x keep, supervised = rows x supervised per row, prompt side = rows x (rendered "
                               "fixed part + earlier turns' supervised tokens) x the pilot's real/estimated ratio"},
-        "draft": draft_plan(profile, a, shard_tokens) if profile.train.draft_preset else {},
+        "draft": draft_plan(profile, a, shard_tokens, rows, supervised) if profile.train.draft_preset else {},
         "features": feature_plan(profile, a, target_config(profile)[0], rows, shard_tokens),
         "strata": {k: {"units": round(s["units"] * scale), "requested": round(s["requested"], 1),
                        "prompt_side_mean": round(s["side_mean"], 1), **{n: round(v, 4) for n, v in s["rate"].items()}}
@@ -550,9 +540,15 @@ def print_plan(plan: dict) -> None:
                   d["target_config"]]]
         rows += [[f"memory/GPU {k}", _gib(mem[k]), d["memory_formulas"][k]] for k in d["memory_formulas"]]
         rows += [["memory/GPU total", _gib(mem["total"]), f"W={d['world_size']}, T={d['micro_batch_tokens']}"],
-                 ["host/GPU feature slots", _gib(d["host_memory_per_gpu_gib"]["feature_staging"]),
-                  d["host_memory_formulas"]["feature_staging"]],
-                 ["training FLOPs", f"{d['training_flops']:.3e}", d["flops_formula"]],
+                 *[[f"host/GPU {k.replace('feature_staging', 'feature slots').replace('_', ' ')}",
+                    _gib(d["host_memory_per_gpu_gib"][k]), d["host_memory_formulas"][k]]
+                   for k in d["host_memory_formulas"]],
+                 *([["host/GB200 tray", f"{d['host_tray']['bytes'] / 1e9:,.0f} GB", d["host_tray"]["holds_text"]]]
+                   if "host_tray" in d else []),
+                 ["training FLOPs", f"{d['training_flops']:.3e}", d["flops_formula"] + f" (6·P·D: {d['six_p_d_flops']:.3e})"],
+                 ["trainer s/row at MFU", f"{d['trainer_seconds_per_row']['at_mfu']} s", "counted FLOPs per row / "
+                  f"(peak x MFU); plan.trainer_seconds_per_row {d['trainer_seconds_per_row']['assumed']} s is MFU "
+                  f"{d['trainer_seconds_per_row']['mfu_of_assumed']}"],
                  ["training time", f"{d['training_hours']:,} h", d["time_formula"]]]
     elif d:
         rows.append(["draft", "-", d.get("note", "")])

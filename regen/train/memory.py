@@ -23,7 +23,8 @@ The fused vocabulary loss keeps fp32 gradients g_h Q·H·4, g_e Q·r·4, g_w2 Vd
 upper bound: every slot supervised) and a chunk's transients, about six [2^25] fp32 buffers.
 Features: with producers (`train.features: producers`) at most `DEVICE_RESIDENT_OBJECTS` (2) objects are on the
 device (the micro-batch computing and the next one's copy; `regen.train.features.staging`); a step's grad_accum
-objects wait in pinned host slots, counted apart as host memory (`host_staging_bytes`). In process: the one
+objects wait in pinned host slots, counted apart as host memory (`host_memory_bytes`: the slots, exact, and the
+store's segment and transfer buffer; `tray_host_check` against a GB200 tray). In process: the one
 micro-batch's features the target just computed.
 Not counted: the CUDA context, NCCL and cuBLAS workspaces, allocator fragmentation with varying row lengths
 (a few GB), the target's own memory when it runs in process.
@@ -100,11 +101,56 @@ def feature_object_bytes(cfg, tokens: int, feature_bytes: int = 2) -> int:
     return tokens * (len(cfg.target_layer_ids) + 1) * cfg.target_hidden_size * feature_bytes
 
 
-def host_staging_bytes(cfg, *, tokens: int, grad_accum: int, feature_bytes: int = 2) -> int:
-    """Pinned host memory per rank of the producers' client: one reused host slot per micro-batch of a step (every
-    object of a step is read out of the store before its first forward, so failures are agreed first), each
-    as large as the largest object: grad_accum x `feature_object_bytes` (`regen.train.features.staging`)."""
-    return grad_accum * feature_object_bytes(cfg, tokens, feature_bytes)
+def largest_object_bytes(cfg, *, tokens: int, max_batch: int = 1, feature_bytes: int = 2) -> int:
+    """Bytes of the largest feature object a micro-batch of `tokens` padded tokens (at most `max_batch` rows) can
+    be, header included: the fixed prefix + `header_reserve(max_batch)` + `feature_object_bytes`
+    (`regen.train.features.contract.encode`; the same figure as `regen.train.features.pool.sizes_for`)."""
+    from regen.train.features.contract import _PREFIX, header_reserve
+
+    return _PREFIX.size + header_reserve(max_batch) + feature_object_bytes(cfg, tokens, feature_bytes)
+
+
+def host_staging_bytes(cfg, *, tokens: int, grad_accum: int, max_batch: int = 1, feature_bytes: int = 2) -> int:
+    """Page-locked host memory per rank of the producers' client: one reused host slot per micro-batch of a step
+    (every object of a step is read out of the store before its first forward, so failures are agreed first), each
+    as large as the largest object it held: grad_accum x `largest_object_bytes`. Exact, not a lower bound: each slot
+    is one plain host allocation of the object's size registered with `cudaHostRegister`
+    (`regen.train.features.staging.pin_host`), not the caching host allocator's power-of-two block."""
+    return grad_accum * largest_object_bytes(cfg, tokens=tokens, max_batch=max_batch, feature_bytes=feature_bytes)
+
+
+# A GB200 NVL72 compute tray: 2 GB200 superchips, each 1 Grace CPU with up to 480 GB LPDDR5X and 2 Blackwell GPUs
+# (NVIDIA's GB200 NVL72 specifications: "up to 480 GB LPDDR5X" per superchip, "up to 17 TB" for the rack's 36
+# Grace CPUs); vendors' trays differ (an MLCommons inference v6.1 GB200 NVL72 system lists 1.87 TB per 4-GPU
+# node): the plan checks against NVIDIA's 960 GB. What the plan does not count of the host (the OS, each trainer
+# process: Python, CUDA context, shard tables, checkpoint staging) must fit in what is left: the plan says a tray
+# holds the profile when the counted host memory is at most HOST_COUNTED_SHARE of it.
+GB200_TRAY_GPUS = 4
+GB200_TRAY_HOST_BYTES = 2 * 480 * 10**9
+HOST_COUNTED_SHARE = 0.8
+
+
+def host_memory_bytes(cfg, *, tokens: int, grad_accum: int, max_batch: int, segment_bytes: int,
+                      transfer_buffer_bytes: int, feature_bytes: int = 2) -> dict:
+    """Host memory per rank that the producers' client allocates, by term (bytes): `feature_staging`
+    (`host_staging_bytes`), `store_segment` (the memory this rank mounts into the Mooncake store,
+    `train.producers.store.segment_bytes_per_rank` as `regen.train.features.pool.sizes_for` resolves it) and
+    `transfer_buffer` (the store client's local buffer, `local_buffer_bytes` likewise). All three are page-locked
+    and registered with the NIC."""
+    return {"feature_staging": host_staging_bytes(cfg, tokens=tokens, grad_accum=grad_accum, max_batch=max_batch,
+                                                  feature_bytes=feature_bytes),
+            "store_segment": int(segment_bytes), "transfer_buffer": int(transfer_buffer_bytes)}
+
+
+def tray_host_check(per_rank_bytes: int, *, world_size: int, gpus_per_tray: int = GB200_TRAY_GPUS,
+                    tray_bytes: int = GB200_TRAY_HOST_BYTES, counted_share: float = HOST_COUNTED_SHARE) -> dict:
+    """Whether one tray's host memory holds its ranks' counted host memory: {ranks, bytes (counted, the tray's
+    ranks together), tray_bytes, share, holds} with ranks = min(world_size, gpus_per_tray) and holds = share <=
+    counted_share (the rest is left for what is not counted; see GB200_TRAY_HOST_BYTES)."""
+    ranks = max(1, min(int(world_size), gpus_per_tray))
+    total = ranks * int(per_rank_bytes)
+    return {"ranks": ranks, "bytes": total, "tray_bytes": tray_bytes, "share": total / tray_bytes,
+            "holds": total <= counted_share * tray_bytes}
 
 
 def step_memory_formulas(cfg, *, tokens: int, world_size: int, grad_accum: int, p_trainable: int, p_frozen: int,

@@ -41,9 +41,15 @@ def test_kimi_k3_plans_without_a_request(k3_env, monkeypatch, tmp_path, capsys):
     assert "server-hours =" in out and "memory/GPU optimizer" in out
     # features with producers: 2 objects on the GPU (issue 26 point 3), a step's 16 in pinned host memory, apart
     assert d["memory_per_gpu_gib"]["features"] == 10.5 and d["host_memory_per_gpu_gib"]["feature_staging"] == 84.0
-    assert "host/GPU feature slots" in out  # pinned host memory per GPU, apart from its total
+    assert "host/GPU feature slots" in out and "host/GB200 tray" in out  # host memory per GPU, apart from its total
     # the target's forward runs on the producers (issue 19): not in the trainer's FLOPs, stated beside them
-    assert d["training_flops"] == pytest.approx(6 * d["params_trainable"] * d["training_tokens"])
+    # the draft's FLOPs counted per part for the mean row (regen.train.flops), not 6·P·D; rows x epochs of it
+    rs, sh = d["row_shape"], plan["shards"]
+    assert rs["num_anchors"] == 512 and rs["tokens"] == pytest.approx(sh["tokens"] / sh["rows"], rel=1e-3)
+    assert d["training_flops"] == pytest.approx(d["flops_per_row_tflop"]["total"] * 1e12 * sh["rows"] * 5, rel=1e-3)
+    assert d["six_p_d_flops"] == pytest.approx(6 * d["params_trainable"] * d["training_tokens"])
+    assert d["flops_per_max_row_tflop"]["total"] == pytest.approx(378.4, abs=0.1)  # a full 64K row
+    assert "counted per part" in d["flops_formula"] and "trainer s/row at MFU" in out
     assert d["producer_flops"] == pytest.approx(2 * 32e9 * d["training_tokens"]) and "producers' GPUs" in out
     f = plan["features"]
     assert f["features_from"] == "producers" and f["bytes_per_token"] == 6 * 7168 * 2  # 84 KiB: 5 taps + last

@@ -145,7 +145,9 @@ def test_staging_hands_the_decoded_tensors_with_one_host_copy(dtype):
     assert third.slot == first.slot and len(staging.host) == 2
     assert staging.stats == {"objects": 3, "host_bytes": 3 * (taps.nbytes + last.nbytes), "host_copies": 3,
                              "store_reads_into_slots": 0, "device_bytes": 0, "device_copies": 0, "pinned_bytes": 0, "resident": 0,
-                             "resident_max": 1, "extra_device_buffers": 0}
+                             "resident_max": 1, "extra_device_buffers": 0,
+                             "host_slot_bytes": 2 * (taps.nbytes + last.nbytes),
+                             "host_slot_bytes_max": 2 * (taps.nbytes + last.nbytes)}
     with pytest.raises(FeatureContractError, match="lies outside"):
         staging.stage(bytearray(blob[:-8]), read_header(blob))
 
@@ -159,6 +161,9 @@ class RecordingOps:
     def pinned(self, nbytes):
         self.calls.append(("pinned", nbytes))
         return torch.empty(nbytes, dtype=torch.uint8)
+
+    def unpin(self, buf):
+        self.calls.append(("unpin", buf.numel()))
 
     def device_buffer(self, nbytes):
         self.device_buffers += 1

@@ -14,6 +14,8 @@ Formulas (printed with the figures; `assumed` marks what no command here measure
   producer GPUs          = engines x plan.producer_gpus_per_engine
   target forward FLOPs   = 2 x plan.target_active_params x training tokens, on the producers' GPUs (with
                            `producers`) or the trainer's (`in_process`)
+  host memory / rank     = grad_accum exact feature slots + the store segment + the store client's buffer
+                           (`regen.train.memory.host_memory_bytes`), and whether a GB200 tray holds its 4 ranks
 """
 from __future__ import annotations
 
@@ -107,6 +109,52 @@ def feature_plan(profile, a: dict, tc, shard_rows: float, shard_tokens: float) -
         out["balance_formula"] = ("not computed: plan.trainer_seconds_per_row and plan.producer_prefill_tokens_per_s "
                                   "are not stated")
     return out
+
+
+def host_plan(t, cfg, W: int, producers: bool) -> dict:
+    """The host memory per GPU that the producers' client allocates (`regen.train.memory.host_memory_bytes`: the
+    step's feature slots, exact; the store segment and transfer buffer as `regen.train.features.pool.sizes_for`
+    sizes them), its formulas, and whether a GB200 tray's host memory holds its ranks (`tray_host_check`)."""
+    from regen.errors import InputError
+    from regen.train.features.pool import sizes_for
+    from regen.train.memory import HOST_COUNTED_SHARE, host_memory_bytes, largest_object_bytes, tray_host_check
+
+    if not producers:
+        return {"host_memory_per_gpu_gib": {"total": 0.0}, "host_memory_formulas": {"total": "in process: none"}}
+    taps, eb = len(cfg.target_layer_ids), 4 if t.target_dtype == "float32" else 2
+    largest = largest_object_bytes(cfg, tokens=t.max_tokens, max_batch=t.max_batch, feature_bytes=eb)
+    try:
+        sizes = sizes_for(t.producers, taps, cfg.target_hidden_size, "float32" if eb == 4 else "bfloat16", W,
+                          t.max_tokens, t.max_batch)
+    except InputError as exc:
+        return {"host_memory_per_gpu_gib": {"total": 0.0}, "host_memory_formulas": {"total": f"not computed: {exc}"}}
+    host = host_memory_bytes(cfg, tokens=t.max_tokens, grad_accum=t.grad_accum, max_batch=t.max_batch,
+                             segment_bytes=sizes["segment_bytes_per_rank"],
+                             transfer_buffer_bytes=sizes["local_buffer_bytes"], feature_bytes=eb)
+    total = sum(host.values())
+    tray = tray_host_check(total, world_size=W)
+    return {
+        "host_memory_per_gpu_bytes": host | {"total": total},
+        "host_memory_per_gpu_gib": {k: round(v / GiB, 2) for k, v in host.items()} | {"total": round(total / GiB, 2)},
+        "host_memory_formulas": {
+            "feature_staging": (f"{t.grad_accum} slot(s) x the largest object, {largest:,} B ({t.max_tokens} x ({taps} "
+                                f"+ 1) x {cfg.target_hidden_size} x {eb} B + header): a step's objects, read out of "
+                                "the store before its first forward; each slot one exact allocation page-locked by "
+                                "cudaHostRegister (pin_memory=True would round it up to a power of two)"),
+            "store_segment": ("this rank's share of train.producers.budget_bytes + one object (Mooncake segment)"
+                              if t.producers.store.segment_bytes_per_rank is None
+                              else "train.producers.store.segment_bytes_per_rank"),
+            "transfer_buffer": ("2 x the largest object (the store client's local buffer)"
+                                if not t.producers.store.local_buffer_bytes
+                                else "train.producers.store.local_buffer_bytes"),
+            "total": "page-locked and NIC-registered; the trainer process's own memory (Python, CUDA context, shard "
+                     "tables, checkpoint staging) is not counted"},
+        "host_tray": tray | {"holds_text": (
+            f"{tray['ranks']} ranks x {total / GiB:,.2f} GiB = {tray['bytes'] / 1e9:,.0f} GB of a GB200 tray's "
+            f"{tray['tray_bytes'] / 1e9:,.0f} GB LPDDR5X ({tray['share']:.0%}): "
+            + ("holds" if tray["holds"] else "does NOT hold")
+            + f" (counted memory within {HOST_COUNTED_SHARE:.0%} of the tray, the rest left for the OS and the processes)")},
+    }
 
 
 def rows(f: dict) -> list[list[str]]:

@@ -349,7 +349,8 @@ class FeaturePool:
                "feature_bytes_per_s": f["bytes"] / step_s if step_s > 0 else 0.0, **self.sizes}
         st = self.features.staging.stats  # regen.train.features.staging: host copies, device copies, residency
         out["staging"] = {k: st[k] for k in ("store_reads_into_slots", "host_copies", "host_bytes", "device_copies",
-                                             "device_bytes", "pinned_bytes", "resident_max", "extra_device_buffers")}
+                                             "device_bytes", "pinned_bytes", "resident_max", "extra_device_buffers",
+                                             "host_slot_bytes_max")}  # the last: `regen plan`'s host/GPU feature slots
         if self.dispatcher is not None:
             out.update(self.producer_report())
         if self.watch is not None:

@@ -30,8 +30,14 @@ in use: counted (`extra_device_buffers`) and visible in `resident_max`, not a si
 The CUDA calls go through a small seam (`_CudaOps`: pinned and device buffers, the side-stream copy, events), so
 the order of the calls is tested on CPU with a recording double (tests/train/test_feature_contract.py).
 
+Host slots are exact: on CUDA each is one plain host allocation of the object's size, page-locked with
+`cudaHostRegister` (`pin_host`; `pin_memory=True` would round it up to a power of two, 8 GiB for a 5.25 GiB
+object) and registered with the store; a slot is regrown (unpinned, unregistered, reallocated) only for a larger
+object. So a step's slots hold grad_accum x the largest object, which is `regen.train.memory.host_staging_bytes`.
+
 `stats`: objects, host bytes copied, host copies, store reads into slots, device bytes copied, device copies,
-pinned bytes, resident now and at most, extra device buffers.
+pinned bytes (page-locked now), resident now and at most, extra device buffers, host slot bytes (now and at most,
+pinned or not: what the slots hold allocated).
 """
 from __future__ import annotations
 
@@ -62,6 +68,37 @@ class Staged:
     event: object = None  # the copy's event (CUDA)
 
 
+CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: page-locked for every CUDA context of the process
+
+
+def pin_host(nbytes: int, cudart=None) -> torch.Tensor:
+    """A host buffer of exactly `nbytes` (uint8[nbytes]), page-locked for the device by `cudaHostRegister`.
+
+    Not `pin_memory=True`: PyTorch's caching host allocator rounds every pinned allocation up to a power of two
+    (`PowerOf2Ceil` in aten/src/ATen/core/CachingHostAllocator.h, for any size under `pinned_max_round_threshold`,
+    unbounded by default) and keeps freed blocks cached, so a 5.25 GiB slot would take 8 GiB. A plain host tensor
+    registered by hand takes what it holds, and `unpin_host` gives the pages back when a slot is regrown or dropped
+    (the same calls as `torch.cuda._pin_memory_utils`). `cudart`: `torch.cuda.cudart()` unless given (tests).
+    Raises RuntimeError naming the size when the registration fails (host memory exhausted or locked-memory limit).
+    """
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    cudart = cudart or torch.cuda.cudart()
+    rc = int(cudart.cudaHostRegister(buf.data_ptr(), nbytes, CUDA_HOST_REGISTER_PORTABLE))
+    if rc != 0:
+        raise RuntimeError(f"cudaHostRegister of a {nbytes:,}-byte feature staging slot failed (cudaError {rc}): the "
+                           "host is out of memory it can page-lock; lower train.grad_accum or train.max_tokens "
+                           "(`regen plan` prints the host memory per GPU), or raise the locked-memory limit")
+    return buf
+
+
+def unpin_host(buf: torch.Tensor, cudart=None) -> None:
+    """Undo `pin_host(...)` for `buf` before it is dropped. Raises RuntimeError when CUDA refuses."""
+    cudart = cudart or torch.cuda.cudart()
+    rc = int(cudart.cudaHostUnregister(buf.data_ptr()))
+    if rc != 0:
+        raise RuntimeError(f"cudaHostUnregister of a {buf.numel():,}-byte feature staging slot failed (cudaError {rc})")
+
+
 class _CudaOps:
     """The CUDA calls of `Staging`, one method each (a seam: tests replace it with a recording double)."""
 
@@ -70,7 +107,10 @@ class _CudaOps:
         self.stream = torch.cuda.Stream(device=device)
 
     def pinned(self, nbytes):
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        return pin_host(nbytes)
+
+    def unpin(self, buf):
+        unpin_host(buf)
 
     def device_buffer(self, nbytes):
         with torch.cuda.stream(self.stream):  # allocated on the side stream that writes it
@@ -116,7 +156,7 @@ class Staging:
         self.dev_slots: list[dict] = [{"buf": None, "owner": None, "free": None} for _ in range(device_slots)]
         self.stats = {"objects": 0, "host_bytes": 0, "host_copies": 0, "store_reads_into_slots": 0,
                       "device_bytes": 0, "device_copies": 0, "pinned_bytes": 0, "resident": 0, "resident_max": 0,
-                      "extra_device_buffers": 0}
+                      "extra_device_buffers": 0, "host_slot_bytes": 0, "host_slot_bytes_max": 0}
 
     # -- 1. the store's buffer -> a host slot ----------------------------------------------------------------
     def stage(self, buf, header: dict, key=None) -> Staged:
@@ -186,12 +226,16 @@ class Staging:
             old = 0 if h["buf"] is None else h["buf"].numel()
             if h["buf"] is not None and self.unregister is not None:
                 self.unregister(h["buf"])
+            if h["buf"] is not None and self.ops is not None:
+                self.ops.unpin(h["buf"])  # its pages go back now, not to a cache of pinned blocks
             h["buf"] = None
             h["buf"] = self.ops.pinned(nbytes) if self.ops is not None else torch.empty(nbytes, dtype=torch.uint8)
             if self.register is not None:
                 self.register(h["buf"])
             if self.ops is not None:
                 self.stats["pinned_bytes"] += nbytes - old
+            self.stats["host_slot_bytes"] += nbytes - old
+            self.stats["host_slot_bytes_max"] = max(self.stats["host_slot_bytes_max"], self.stats["host_slot_bytes"])
         h["busy"] = True
         return i
 
@@ -275,11 +319,16 @@ class Staging:
         """Drop every slot, unregistering the host slots from the store first (a freed buffer left registered would
         make the store refuse a later one at the same addresses: "overlapped memory region")."""
         for h in self.host:
-            if h["buf"] is not None and self.unregister is not None:
-                if h["event"] is not None:
-                    self.ops.host_wait(h["event"])
+            if h["buf"] is None:
+                continue
+            if h["event"] is not None:
+                self.ops.host_wait(h["event"])
+            if self.unregister is not None:
                 self.unregister(h["buf"])
+            if self.ops is not None:
+                self.ops.unpin(h["buf"])
         self.host.clear()
+        self.stats["host_slot_bytes"] = self.stats["pinned_bytes"] = 0
         for d in self.dev_slots:
             d.update(buf=None, owner=None, free=None)
 
