@@ -13,11 +13,12 @@ Modules, in reading order:
     kimi_text.py Kimi-K2 markers written as text -> tool_calls / tool messages; declared or inferred tools
     tool_schemas.py  tool declarations (glaive, BFCL dialect, OpenAI) -> OpenAI `tools`
     originals.py the source's own answers beside the prompt (`original_answers`), or why there are none
-    errors.py    RowError: a malformed row (a `parse` reject with the field and the reason)
+    errors.py    RowError: a malformed row (a `parse` reject with the field and the reason); wrong_type
     classify.py  category and language: source labels, then config, then a classifier
     batches.py   the per-batch work (normalize, filter (+ control_tokens), sign for near dedup), in forkserver workers
     mix.py       the selection policy: per-category targets, caps, the seeded choice
     stage.py     the stage: exact + near dedup, the mix, outputs and manifest
+    summary.py   what `regen select` prints when done: the mix, the accounting, the first reject per filter, notes
 
 Entry point: `regen.select.stage.run_select(cfg: SelectConfig, run: RunDir, *, seed)`; CLI `regen select`.
 """

@@ -34,13 +34,14 @@ from pathlib import Path
 
 from regen.select import strict_json
 from regen.select.conversation import Conversation as _Conversation
-from regen.select.errors import RowError
+from regen.select.errors import RowError, type_found, wrong_type
 from regen.select.originals import original_answers, source_answer
 from regen.select.kimi_text import declared_tools, inferred_tools, kimi_calls, kimi_returns, split_think
 from regen.select.tool_schemas import bfcl_class_tools, openai_tools
 
 PROMPT_FIELDS = ("prompt", "question", "problem", "problem_statement", "instruction", "query", "text", "input",
                  "content")
+TURNS_EXPECTED = "a list of turns ({role, content} or {from, value} objects)"
 ROLE_ALIASES = {
     "system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
     "chatgpt": "assistant", "bard": "assistant", "bing": "assistant", "model": "assistant",
@@ -78,6 +79,24 @@ def detect_shape(row, fields: dict[str, str]) -> tuple[str | None, dict[str, str
         return "tool_doc", f
     for name in PROMPT_FIELDS:
         if name in keys and isinstance(row[name], str):
+            return "prompt", {"prompt": name, **f}
+    return None, f
+
+
+def mistyped_shape(row, fields: dict[str, str]) -> tuple[str | None, dict[str, str]]:
+    """The shape a row would have if its prompt-carrying field had the right type: `messages` or `turns` that is
+    not a list, a prompt field (`PROMPT_FIELDS`, in that order) that is not a string (`{"prompt": 12345}`, a list,
+    null, an object). `(None, fields)` when the row has no such field. Used when no row of a file's sample has a
+    recognized shape (`detect_shape`), so each row is a reject naming the field and its type instead of the file
+    being refused for a shape it has."""
+    f = dict(fields)
+    if not isinstance(row, dict):
+        return None, f
+    for shape in ("messages", "turns"):
+        if shape in row:
+            return shape, {shape: shape, **f}
+    for name in PROMPT_FIELDS:
+        if name in row:
             return "prompt", {"prompt": name, **f}
     return None, f
 
@@ -165,7 +184,7 @@ def conversation_messages(turns, field: str, role_key: str | None = None, conten
     conversation, or no user message.
     """
     if not isinstance(turns, list):
-        raise RowError(field, f"must be a list of turns, got {type(turns).__name__}")
+        raise wrong_type(field, turns, TURNS_EXPECTED)
     if not turns:
         raise RowError(field, "empty conversation")
     conv = _Conversation()
@@ -185,7 +204,7 @@ def conversation_messages(turns, field: str, role_key: str | None = None, conten
                 if isinstance(value, (list, dict)):
                     value = json.dumps(value, ensure_ascii=False)
                 elif not isinstance(value, str):
-                    raise RowError(f"{field}[{i}]", f"{ck!r} must be a string, got {type(value).__name__}")
+                    raise wrong_type(f"{field}[{i}].{ck}", value, "a string")
                 own = turns[i].get("tool_call_id")
                 name = turns[i].get("name") if isinstance(turns[i].get("name"), str) and turns[i]["name"] else None
                 results.extend([(own, name, value)] if isinstance(own, str) and own
@@ -199,7 +218,7 @@ def conversation_messages(turns, field: str, role_key: str | None = None, conten
             if value is None and role == "assistant" and t.get("tool_calls"):
                 value = None
             else:
-                raise RowError(where, f"{ck!r} must be a string, got {type(value).__name__}")
+                raise wrong_type(f"{where}.{ck}", value, "a string or a list of content parts")
         msg: dict = {"role": role}
         if role != "assistant":
             msg["content"] = _maybe_parts(value, where) if isinstance(value, str) else value
@@ -228,7 +247,7 @@ def conversation_messages(turns, field: str, role_key: str | None = None, conten
 def _turn_role(t, where: str, role_key: str | None, content_key: str | None) -> tuple[str, object, str]:
     """(normalized role, value, content key) of one turn; raises RowError for a non-object or unknown role."""
     if not isinstance(t, dict):
-        raise RowError(where, f"turn is a {type(t).__name__}, expected an object")
+        raise RowError(where, f"turn is {type_found(t)}, expected an object")
     rk = role_key or ("from" if "from" in t else "role")
     ck = content_key or ("value" if "value" in t else "content")
     if rk not in t:
@@ -324,27 +343,30 @@ def finish_conversation(messages: list[dict], field: str, answers: list | None =
 def user_turn_messages(turns, field: str) -> list[dict]:
     """MT-Bench `turns` (strings or `{content}` objects) -> user messages only."""
     if not isinstance(turns, list):
-        raise RowError(field, f"must be a list of user turns, got {type(turns).__name__}")
+        raise wrong_type(field, turns, "a list of user turns (strings or {content: string} objects)")
     if not turns:
         raise RowError(field, "empty list of turns")
     out = []
     for i, t in enumerate(turns):
+        where, expected = f"{field}[{i}]", "a string or {content: string}"
         if isinstance(t, dict):
-            t = t.get("content")
+            t, where, expected = t.get("content"), f"{where}.content", "a string (the user turn's text)"
         if not isinstance(t, str):
-            raise RowError(f"{field}[{i}]", f"turn must be a string or {{content: string}}, got {type(t).__name__}")
+            raise wrong_type(where, t, expected)
         out.append({"role": "user", "content": t})
     return out
 
 
 def bfcl_messages(question, field: str) -> list[dict]:
     """BFCL `question`: a list of turns, each a list of messages (user turns only) -> flat messages."""
-    if not isinstance(question, list) or not question:
+    if not isinstance(question, list):
+        raise wrong_type(field, question, "a string or a non-empty list of turns (each a list of messages)")
+    if not question:
         raise RowError(field, "must be a non-empty list of turns (each a list of messages)")
     flat = []
     for i, turn in enumerate(question):
         if not isinstance(turn, list):
-            raise RowError(f"{field}[{i}]", f"turn must be a list of messages, got {type(turn).__name__}")
+            raise wrong_type(f"{field}[{i}]", turn, "a list of messages (one BFCL turn)")
         for j, m in enumerate(turn):
             if not isinstance(m, dict):
                 raise RowError(f"{field}[{i}][{j}]", "message must be an object")
@@ -356,13 +378,15 @@ def bfcl_messages(question, field: str) -> list[dict]:
 
 
 def _text_field(row: dict, name: str, required: bool = True) -> str | None:
-    if name not in row or row[name] is None:
+    """`row[name]` as text; None for an absent or null optional field. Raises RowError for a required field that
+    is absent ("missing field") or null, and for a value of another type (named with its type and a preview)."""
+    if name not in row or (row[name] is None and not required):
         if required:
             raise RowError(name, "missing field")
         return None
     v = row[name]
     if not isinstance(v, str):
-        raise RowError(name, f"must be a string, got {type(v).__name__}")
+        raise wrong_type(name, v, "a string (the prompt text)" if required else "a string")
     return v
 
 
@@ -379,10 +403,10 @@ def normalize_row(row, shape: str, fmap: dict[str, str], base_dir: Path | None =
     cache = {} if cache is None else cache
     if shape == "string":
         if not isinstance(row, str):
-            raise RowError("row", f"expected a string like the other rows, got {type(row).__name__}")
+            raise wrong_type("row", row, "a string like the other rows")
         return [{"role": "user", "content": row}], None, {}
     if not isinstance(row, dict):
-        raise RowError("row", f"row is a {type(row).__name__}, expected an object")
+        raise RowError("row", f"row is {type_found(row)}, expected an object")
     labels = {}
     for key, default in (("category", "category"), ("language", "lang")):
         col = fmap.get(key, default)

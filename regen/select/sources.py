@@ -23,6 +23,9 @@ Input policies (docs/select.md, "Input policies"):
   naming the key and its path (`regen.select.strict_json`), never read as the last value; a key repeated in a
   JSON document outside its rows, or a column named twice (CSV/TSV header, Parquet or Arrow schema), is a bad
   file.
+- text files (JSON, JSON lines, CSV, TSV) may start with a UTF-8 byte-order mark (as Windows tools write them;
+  pandas and `datasets` read such files): it is stripped and noted per file (`iter_raw_batches(notes=...)`, the
+  manifest's `input_notes`); a UTF-16 or UTF-32 mark makes a bad file (the file is not UTF-8).
 A missing path raises `InputError` at once (a config error, not a bad file).
 """
 from __future__ import annotations
@@ -39,13 +42,17 @@ from regen.select.classify import apply_language_policy, heuristic_category, ide
 from regen.config.select import SelectConfig, SourceConfig
 from regen.errors import InputError
 from regen.select import strict_json
-from regen.select.shapes import RowError, detect_shape, normalize_row
+from regen.select.shapes import RowError, detect_shape, mistyped_shape, normalize_row
 from filters.text import message_text
 from schemas.prompt import prompt_id_of
 
 DATA_SUFFIXES = (".parquet", ".jsonl", ".json", ".tsv", ".csv", ".ndjson")
 SHAPE_SAMPLE = 200  # rows that vote on a file's shape
 SKIP_NAMES = {"dataset_info.json", "dataset_infos.json", "state.json", "dataset_dict.json"}
+UTF8_BOM = b"\xef\xbb\xbf"
+BOM_NOTE = "starts with a UTF-8 byte-order mark (as Windows tools write it): stripped, the file read as UTF-8"
+_OTHER_BOMS = ((b"\xff\xfe\x00\x00", "UTF-32"), (b"\x00\x00\xfe\xff", "UTF-32"), (b"\xff\xfe", "UTF-16"),
+               (b"\xfe\xff", "UTF-16"))
 
 
 class BadFile(InputError):
@@ -142,12 +149,30 @@ def _expand(path: Path) -> list[tuple[str, str]]:
     return sorted(out)
 
 
-def _json_rows(path: str) -> list:
-    """Rows of a `.json` file: a list, an object with one list of rows, or JSON lines under a .json name.
+def _bom(path: str, notes: dict | None) -> int:
+    """The length of a UTF-8 byte-order mark at the start of a text file (3, and `BOM_NOTE` appended to
+    `notes[path]`), else 0. Raises BadFile for a UTF-16 or UTF-32 mark: the file is not UTF-8."""
+    with open(path, "rb") as fh:
+        head = fh.read(4)
+    for mark, enc in _OTHER_BOMS:
+        if head.startswith(mark):
+            raise BadFile(path, f"starts with a {enc} byte-order mark: the file is {enc}, not UTF-8; re-encode it "
+                                f"as UTF-8 (e.g. `iconv -f {enc} -t UTF-8`)")
+    if not head.startswith(UTF8_BOM):
+        return 0
+    if notes is not None:
+        notes.setdefault(path, []).append(BOM_NOTE)
+    return len(UTF8_BOM)
+
+
+def _json_rows(path: str, skip: int = 0) -> list:
+    """Rows of a `.json` file (its first `skip` bytes, a byte-order mark, left out): a list, an object with one
+    list of rows, or JSON lines under a .json name.
 
     Raises BadFile when the document is not UTF-8 or not JSON and no line of it is a JSON row either.
     """
     with open(path, "rb") as fh:
+        fh.seek(skip)
         data = fh.read()
     try:
         text = data.decode("utf-8")
@@ -157,7 +182,7 @@ def _json_rows(path: str) -> list:
             return rows
         line = data.count(b"\n", 0, exc.start) + 1
         raise BadFile(path, f"not valid UTF-8 (byte 0x{data[exc.start]:02x} at line {line}, byte offset "
-                            f"{exc.start}): re-encode the file as UTF-8") from None
+                            f"{exc.start + skip}): re-encode the file as UTF-8") from None
     try:
         obj, had_duplicates = strict_json.loads_marked(text)
     except (json.JSONDecodeError, RecursionError) as exc:
@@ -208,9 +233,11 @@ def _jsonl_lines(lines) -> list:
     return out
 
 
-def _jsonl_rows(path: str) -> list:
-    """Rows of a JSON-lines file; BadFile when it has lines and none of them is a JSON row."""
+def _jsonl_rows(path: str, skip: int = 0) -> list:
+    """Rows of a JSON-lines file (its first `skip` bytes, a byte-order mark, left out); BadFile when it has lines
+    and none of them is a JSON row."""
     with open(path, "rb") as fh:
+        fh.seek(skip)
         rows = _jsonl_lines(fh)
     if rows and all(isinstance(r, BadJSON) for r in rows):
         raise BadFile(path, f"no line is a JSON row (first: {rows[0].message}): not JSON lines; fix the file or "
@@ -219,7 +246,8 @@ def _jsonl_rows(path: str) -> list:
 
 
 def _csv_rows(path: str) -> list[dict]:
-    """Rows of a CSV file with a header row (pyarrow.csv, every column read as a string)."""
+    """Rows of a CSV file with a header row (pyarrow.csv, every column read as a string; pyarrow skips a UTF-8
+    byte-order mark itself)."""
     import pyarrow as pa
     import pyarrow.csv as pcsv
 
@@ -259,8 +287,12 @@ def _unique_fields(path: str, schema) -> None:
                 stack.append((f"{where}.{f.name}" if where else f.name, [t.field(i) for i in range(t.num_fields)]))
 
 
-def iter_raw_batches(path: str, kind: str, batch_rows: int, fields: dict, max_rows: int | None = None):
-    """Yield `(source_file, start_row, rows)` batches of raw rows (dicts, strings or BadJSON)."""
+def iter_raw_batches(path: str, kind: str, batch_rows: int, fields: dict, max_rows: int | None = None,
+                     notes: dict | None = None):
+    """Yield `(source_file, start_row, rows)` batches of raw rows (dicts, strings or BadJSON).
+
+    `notes`, when given, collects what reading changed, `{path: [note]}` (a stripped UTF-8 byte-order mark:
+    `BOM_NOTE`). Raises BadFile for a file that cannot be read as a whole (the module's input policies)."""
     limit = max_rows if max_rows is not None else sys.maxsize
     if kind == "unsupported":
         raise BadFile(path, f"unsupported file type {Path(path).suffix or '(no suffix)'!r}: regen select reads "
@@ -301,22 +333,25 @@ def iter_raw_batches(path: str, kind: str, batch_rows: int, fields: dict, max_ro
                 yield name, start, rows
                 start += len(rows)
         return
+    skip = _bom(path, notes)
     if kind == "tsv":
-        rows = _tsv_rows(path, fields)
+        rows = _tsv_rows(path, fields, skip)
     elif kind == "csv":
         rows = _csv_rows(path)
     elif kind == "jsonl":
-        rows = _jsonl_rows(path)
+        rows = _jsonl_rows(path, skip)
     else:
-        rows = _json_rows(path)
+        rows = _json_rows(path, skip)
     rows = rows[:limit]
     for start in range(0, len(rows), batch_rows):
         yield path, start, rows[start : start + batch_rows]
 
 
-def _tsv_rows(path: str, fields: dict) -> list[dict]:
+def _tsv_rows(path: str, fields: dict, skip: int = 0) -> list[dict]:
+    """Rows of a TSV file: `{prompt, answer}` from the first two columns, or a dict per row when the first row
+    holds the column `fields["prompt"]` (a header). `skip` > 0: the file starts with a UTF-8 byte-order mark."""
     try:
-        with open(path, encoding="utf-8", newline="") as fh:
+        with open(path, encoding="utf-8-sig" if skip else "utf-8", newline="") as fh:
             table = list(csv.reader(fh, delimiter="\t", quoting=csv.QUOTE_NONE))
     except UnicodeDecodeError as exc:
         raise BadFile(path, f"not valid UTF-8 (byte offset {exc.start}): re-encode the file as UTF-8") from None
@@ -330,20 +365,23 @@ def _tsv_rows(path: str, fields: dict) -> list[dict]:
 
 def shape_of(path: str, rows: list, fields: dict) -> tuple[str, dict]:
     """The file's shape by a vote of its first `SHAPE_SAMPLE` parsed rows (the most frequent recognized shape,
-    ties to the earliest): rows of another shape are then rejected one by one. Raises BadFile when no row of
-    the sample has a recognized shape."""
+    ties to the earliest): rows of another shape are then rejected one by one. When no row of the sample has a
+    recognized shape, the vote is over the shapes their prompt fields of the wrong type would make
+    (`mistyped_shape`: `{"prompt": 12345}` is the prompt shape), so each such row is a `parse` reject naming the
+    field, the type found and the type expected. Raises BadFile when no row has either."""
     sample = [r for r in rows[: SHAPE_SAMPLE * 2] if not isinstance(r, BadJSON)][:SHAPE_SAMPLE]
     if not sample:
         return "prompt", {"prompt": "prompt", **fields}
-    votes: dict = {}
-    for r in sample:
-        shape, fmap = detect_shape(r, fields)
-        if shape is not None:
-            key = (shape, tuple(sorted(fmap.items())))
-            votes[key] = votes.get(key, 0) + 1
-    if votes:
-        shape, fmap = max(votes, key=votes.get)  # dicts keep insertion order: ties go to the earliest
-        return shape, dict(fmap)
+    for detect in (detect_shape, mistyped_shape):  # a recognized shape wins; else a known field of the wrong type
+        votes: dict = {}
+        for r in sample:
+            shape, fmap = detect(r, fields)
+            if shape is not None:
+                key = (shape, tuple(sorted(fmap.items())))
+                votes[key] = votes.get(key, 0) + 1
+        if votes:
+            shape, fmap = max(votes, key=votes.get)  # dicts keep insertion order: ties go to the earliest
+            return shape, dict(fmap)
     first = sample[0]
     seen = sorted(first) if isinstance(first, dict) else [type(first).__name__]
     raise BadFile(

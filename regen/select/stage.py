@@ -39,6 +39,7 @@ from regen.config.select import SelectConfig, SourceConfig
 from regen.errors import InputError
 from regen.rundir import Lease, RunDir
 from regen.select.sources import BadFile, benchmark_texts, iter_raw_batches, shape_of, source_files
+from regen.select.summary import first_reject, print_mix  # noqa: F401 (print_mix re-exported)
 from schemas.io import write_parquet_atomic, write_rows_atomic
 from schemas.prompt import PROMPT_SCHEMA, SCHEMA_VERSION, canonical_json
 from schemas.rejected import REJECTED_SCHEMA, RejectedRecord
@@ -58,12 +59,14 @@ class RejectWriter:
         self.rows: list[dict] = []
         self.parts: list[dict] = []
         self.flush_rows = flush_rows
+        self.examples: dict[str, dict] = {}  # the first reject of each filter (manifest `reject_examples`)
 
     def add(self, rec: RejectedRecord) -> None:
         self.add_row(rec.to_arrow_row())
 
     def add_row(self, row: dict) -> None:
         """Add one REJECTED_SCHEMA row dict."""
+        first_reject(self.examples, row)
         self.rows.append(row)
         if len(self.rows) >= self.flush_rows:
             self.flush()
@@ -247,6 +250,7 @@ def _run_select(cfg: SelectConfig, run: RunDir, *, seed: int, extra_sources: lis
     sigs: list[np.ndarray] = []
     total_bytes = sum(_size(p) for _, p, _ in files)
     bad_files: dict[str, str] = {}
+    notes: dict[str, list[str]] = {}  # per input file, what reading it changed (a stripped byte-order mark)
 
     def jobs():
         """(progress step in bytes, job) for every batch of every file, reading in the main process."""
@@ -257,7 +261,8 @@ def _run_select(cfg: SelectConfig, run: RunDir, *, seed: int, extra_sources: lis
                 if kind != "hf":  # an empty file is still accounted for (0 rows)
                     _acct(acct, path, src.name, None)
                 shape = fmap = None
-                for sfile, start, rows in iter_raw_batches(path, kind, cfg.batch_rows, src.fields, src.max_rows):
+                for sfile, start, rows in iter_raw_batches(path, kind, cfg.batch_rows, src.fields, src.max_rows,
+                                                           notes):
                     if shape is None:
                         shape, fmap = shape_of(sfile, rows, src.fields)
                     _acct(acct, sfile, src.name, shape)
@@ -313,7 +318,7 @@ def _run_select(cfg: SelectConfig, run: RunDir, *, seed: int, extra_sources: lis
         parts.append(write_parquet_atomic(selected.slice(s, cfg.rows_per_part), out_dir / f"part-{k:05d}.parquet",
                                           PROMPT_SCHEMA))
     manifest = _manifest(cfg, seed, extra, chash, selected, report, drops, acct, parts, rejects.parts, int(keep.sum()))
-    manifest.update(bad_files=bad_files, warnings=warnings,
+    manifest.update(bad_files=bad_files, warnings=warnings, input_notes=notes, reject_examples=rejects.examples,
                     num_tools_inferred=int(pc.sum(selected.column("tools_inferred")).as_py() or 0),
                     control_tokens={"num_tokens": len(control_tokens), "sha256": tokens_digest(control_tokens),
                                     "applied": bool(control_tokens), "rejected": int(drops.get("control_tokens", 0))})
@@ -509,31 +514,6 @@ def cell_counts(selected) -> list[dict]:
 # ----------------------------------------------------------------------------------------------- CLI
 
 
-def print_mix(manifest: dict) -> None:
-    """The mix table (rich): requested vs selected share per category, with shortfall and drop counts."""
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"prompt mix: {manifest['num_prompts']:,} of {manifest['num_requested']:,} requested "
-                        f"(seed {manifest['seed']})")
-    for col in ("category", "requested", "target", "available", "selected", "share", "shortfall"):
-        table.add_column(col, justify="left" if col == "category" else "right")
-    for c, m in manifest["mix"].items():
-        table.add_row(c, f"{m['share_requested']:.1%}", f"{m['target']:,}", f"{m['available']:,}", f"{m['selected']:,}",
-                      f"{m['share_selected']:.1%}", f"{m['shortfall']:,}" if m["shortfall"] else "")
-    con = Console()
-    con.print(table)
-    for dim in ("length_band", "mode"):
-        counts = manifest["counts"].get(dim, {})
-        if counts:
-            con.print(f"{dim}: " + ", ".join(f"{k} {v:,} ({v / max(1, manifest['num_prompts']):.1%})"
-                                             for k, v in counts.items()))
-    t = manifest["accounting"]["totals"]
-    con.print(f"input rows {t['input_rows']:,} = selected {t['selected']:,} + rejected {t['rejected']:,} "
-              f"+ not selected {t['not_selected']:,}")
-    con.print("drops: " + ", ".join(f"{k} {v:,}" for k, v in manifest["filters"].items() if v))
-
-
 def eligible_pool(cfg: SelectConfig, run: RunDir, seed: int, control_tokens=()) -> pa.Table:
     """Every eligible prompt of `cfg`'s sources (this stage with no quota: filters, dedup and control tokens as
     the selection had them), written under `<run>/loop/pool/` and resumed there while nothing changed."""
@@ -595,5 +575,5 @@ def main(args) -> int:
         return 0
     manifest = run_select(cfg, run, seed=profile.seed, extra_sources=args.source,
                           progress=not args.no_progress, control_tokens=tokens)
-    print_mix(manifest)
+    print_mix(manifest, run.root)
     return 0

@@ -100,7 +100,7 @@ def bfcl_class_tools(classes, excluded, base_dir: Path, cache: dict) -> list[dic
         if path not in cache:
             if not path.exists():
                 raise RowError("involved_classes", f"tool docs for {cls} not found at {path}")
-            with open(path, encoding="utf-8") as fh:
+            with open(path, encoding="utf-8-sig") as fh:
                 cache[path] = [json.loads(line) for line in fh if line.strip()]
         docs = [d for d in cache[path] if d.get("name") not in excluded]
         tools.extend(openai_tools(docs, "involved_classes", bfcl=True) or [])

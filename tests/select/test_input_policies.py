@@ -43,7 +43,7 @@ def _rejects(run):
     (DEEP.encode(), "nested deeper than the JSON parser's limit"),
     (b'{"prompt": "nul \\u0000 inside"}', "U+0000"),
     (b'{"prompt": "bell \\u0007 and escape"}', "U+0007"),
-    (b'{"prompt": null}', "prompt: missing field"),
+    (b'{"prompt": null}', "prompt: must be a string (the prompt text), got null"),
 ])
 @pytest.mark.parametrize("position", [0, 2, 5])
 def test_a_hostile_row_is_a_reject_with_a_reason_at_any_position(tmp_path, bad, reason, position):
