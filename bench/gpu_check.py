@@ -251,6 +251,9 @@ def section_k3_step(args, device, info) -> dict:
     finally:
         kb.draft.attention_impl = args.attention
     flops = counter.get_total_flops()
+    from regen.train.flops import row_flops
+
+    counted_by_plan = row_flops(cfg, tokens=S)  # regen plan's per-part count (every slot supervised: an upper bound)
     del src.feats[(0, 0)]
     times, losses, norms, finite = [], [r0["loss"]], [r0["grad_norm"]], [r0["finite"]]
     lengths = [S, S_nan] * ((args.k3_steps + 1) // 2)
@@ -272,6 +275,8 @@ def section_k3_step(args, device, info) -> dict:
            "build_s": round(kb.build_s, 2), "first_step_s (FLOPs counted)": round(first_s, 3),
            "step_s": round(step_s, 4), "step_s_nan_condition": [round(dt, 4) for n, dt in times if n == S_nan],
            "tokens_per_s": round(S / step_s, 1), "flops_per_row_counted": flops,
+           "plan_over_counted": round(counted_by_plan["total"] / flops, 4),
+           "flops_per_row_plan": {k: round(v / 1e12, 2) for k, v in counted_by_plan.items()},
            "tflops_per_s": round(flops / step_s / 1e12, 1),
            "losses": [round(x, 4) for x in losses], "grad_norms": [round(x, 4) for x in norms]}
     peak = peak_tflops(args)
