@@ -1,4 +1,4 @@
-"""The two passes of `regen rehearse` (`regen.rehearse`): one optimizer step of the trainer at its real size on
+"""The two passes of `regen.report.rehearse` (`regen.rehearse`): one optimizer step of the trainer at its real size on
 stand-in tensors.
 
 The trainer's own code runs (`regen.train.build.build_draft`, `loop.share_frozen_with_target`, `make_objective`,

@@ -1,5 +1,5 @@
 """`regen rehearse` on small shapes: the trainer's step on fake tensors, its memory against `regen plan`, its host
-syncs per micro-batch and its device placement (regen/rehearse.py, regen/train/rehearse.py)."""
+syncs per micro-batch and its device placement (regen/report/rehearse.py, regen/train/rehearse.py)."""
 from __future__ import annotations
 
 import pytest
@@ -15,7 +15,7 @@ SHAPES = {  # two small shapes; the kimi-k3 one is in docs/plan.md (regen rehear
 
 @pytest.fixture(scope="module")
 def reports():
-    from regen.rehearse import rehearse
+    from regen.report.rehearse import rehearse
 
     return {name: rehearse(load_profile(p, over)) for name, (p, over) in SHAPES.items()}
 
@@ -36,7 +36,7 @@ def test_the_plan_equals_the_rehearsed_peak_within_15_percent(reports, name):
 
 
 def test_fsdp_collectives_are_seen_with_their_devices():
-    from regen.rehearse import rehearse
+    from regen.report.rehearse import rehearse
 
     r = rehearse(load_profile("kimi-k3", ["train.max_tokens=256", "train.grad_accum=2", "train.num_draft_layers=1",
                                           "train.num_anchors=16"]), placement=False)
