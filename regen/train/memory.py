@@ -91,8 +91,14 @@ def step_memory_bytes(cfg, *, tokens: int, world_size: int, grad_accum: int, p_t
         "optimizer": 8 * P / W,
         "features": resident_feature_objects * feature_object_bytes(cfg, tokens, feature_bytes),
         "activations": activation_bytes(cfg, tokens, c=c)["total"],
-        "loss": Q * cfg.hidden_size * 4 + Q * r * 4 + Vd * r * 4 + 6 * LOSS_CHUNK_LOGITS * 4,
+        "loss": Q * cfg.hidden_size * 4 + Q * r * 4 + Vd * r * 4 + 6 * loss_chunk_logits(Q, Vd) * 4,
     }
+
+
+def loss_chunk_logits(Q: int, Vd: int) -> int:
+    """Logits of one chunk of the fused loss: min(Q, max(1, 2^25 // Vd)) slots x Vd (`regen.train.fused_loss`'s
+    chunk; a micro-batch of fewer slots than a chunk makes a smaller one, as the rehearsal measures)."""
+    return min(Q, max(1, LOSS_CHUNK_LOGITS // Vd)) * Vd
 
 
 def feature_object_bytes(cfg, tokens: int, feature_bytes: int = 2) -> int:
@@ -174,5 +180,5 @@ def step_memory_formulas(cfg, *, tokens: int, world_size: int, grad_accum: int, 
                         "(incl. the context-side K/V of every layer), memory-efficient attention "
                         "(regen/train/memory.py, checked against CPU measurement)"),
         "loss": f"fused loss: {Q} x {cfg.hidden_size} x 4 B + {Q} x {cfg.markov_rank} x 4 B + {v_out} x "
-                f"{cfg.markov_rank} x 4 B + a chunk's 6 x 2^25 x 4 B",
+                f"{cfg.markov_rank} x 4 B + a chunk's 6 x {loss_chunk_logits(Q, v_out):,} x 4 B",
     }
