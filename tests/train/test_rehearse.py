@@ -57,8 +57,6 @@ def test_a_host_tensor_meeting_a_device_one_is_named():
     assert e.op == "add.Tensor" and "test_rehearse.py" not in e.where  # not a regen line: '?'
 
 
-@pytest.mark.xfail(strict=True, reason="the loss's implicit syncs (boolean masks, unique): removed on the syncs "
-                                       "branch (regen/train/loss.py, fused_loss.py), not merged yet")
 @pytest.mark.parametrize("name", sorted(SHAPES))
 def test_at_most_one_host_sync_per_micro_batch_from_the_loss_and_step(reports, name):
     assert reports[name]["syncs_loss_and_step_per_micro_batch"] <= 1, reports[name]["syncs_per_micro_batch"]
