@@ -185,7 +185,7 @@ def share_frozen_with_target(draft, target_model, dtype) -> None:
         w = theirs.weight
         if w.shape == mine.weight.shape and w.dtype == dtype and w.device == mine.weight.device:
             mine.weight = w if not w.requires_grad else torch.nn.Parameter(w.detach(), requires_grad=False)
-        else:
+        elif mine.weight.dtype != dtype:  # (already in dtype: nothing to convert, nor to swap on fake tensors)
             mine.to(dtype)
 
 

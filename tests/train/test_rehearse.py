@@ -60,3 +60,14 @@ def test_a_host_tensor_meeting_a_device_one_is_named():
 @pytest.mark.parametrize("name", sorted(SHAPES))
 def test_at_most_one_host_sync_per_micro_batch_from_the_loss_and_step(reports, name):
     assert reports[name]["syncs_loss_and_step_per_micro_batch"] <= 1, reports[name]["syncs_per_micro_batch"]
+
+
+def test_the_local_profile_as_shipped_rehearses_with_its_reduced_draft_vocabulary():
+    """The default local profile (a reduced draft vocabulary: the draft's lm_head is not the target's, and is cast, not
+    shared) runs on fake tensors: a frozen tensor already in the compute dtype is not converted again, which fake
+    parameters could not be swapped for."""
+    from regen.report.rehearse import rehearse
+
+    r = rehearse(load_profile("local", []))
+    assert r["ok"], r["placement_errors"]
+    assert r["optimizer_stepped"] and r["memory"]["rehearsed_total"] > 0
