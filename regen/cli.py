@@ -22,7 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("regen.train.loop", "train a DSpark draft on the shards with online target hidden states"),
     "features": ("regen.train.features.cli", "feature producers, a store node, a pool's status (train.features: "
                  "producers)"),
-    "eval": ("regen.train.eval", "measure a draft's acc_len against the target"),
+    "eval": ("regen.train.eval_cli", "measure a draft's acc_len against the target"),
     "export-draft": ("regen.serve.engines.cli", "a trained draft in a serving engine's layout, with its launch "
                      "(TokenSpeed, vLLM, SGLang, llama.cpp)"),
     "engine-eval": ("regen.serve.engines.spec_eval", "serve the trained draft through llama.cpp beside the embedded "
