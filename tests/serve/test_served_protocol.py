@@ -102,7 +102,8 @@ def test_tokenspeed_drafts_dspark_greedily_and_has_no_block_verification():
     geometry = engine_source("tokenspeed", "runtime/utils/spec_block_geometry.py")
     assert "DSPARK" in literal_tuple(geometry, "BLOCK_SPEC_ALGORITHMS")
     args = engine_source("tokenspeed", "runtime/utils/server_args.py")
-    assert "if self.speculative_algorithm in BLOCK_SPEC_ALGORITHMS:" in args.split("def _validate_speculative_sampling")[1]
+    validate = args.split("def _validate_speculative_sampling")[1]
+    assert "if self.speculative_algorithm in BLOCK_SPEC_ALGORITHMS:" in validate
     assert "block_verification" not in args and "rejection_sample_method" not in args
     ep = tokenspeed.launch(CFG)["verification"]["endpoints"]
     assert [(e["draft_sample_method"], e["rejection_sample_method"]) for e in ep.values()] == [("greedy", "standard")]
