@@ -248,3 +248,22 @@ def test_benchmark_sets_are_selectable_by_name():
     assert "has_close_elements" in ps[0]["messages"][0]["content"]
     with pytest.raises(InputError, match="--benchmark 'gsm9k': no such set; choose from .*humaneval"):
         benchmark_prompts("gsm9k")
+
+
+def test_regen_evals_cells_stand_beside_the_engines():
+    from regen.serve.engines.endpoint_eval import format_endpoint, regen_cells
+
+    def b(x):
+        return {"trained": {"breakdown": {"cells": [{"category": "coding", "length_band": "short", "mode": None,
+                                                     "acc_len_per_round": x}]}}}
+
+    ev = {**b(3.5), "sampled": {"protocol": {"temperature": 1.0}, **b(3.1)},
+          "served": {"probabilistic+standard": b(3.1), "probabilistic+block": b(3.3)}}
+    cells = regen_cells(ev)
+    assert cells == {("coding", "short", None): {"greedy": 3.5, "T=1": 3.1, "T=1 probabilistic+block": 3.3}}
+    res = {"sets": {"heldout": {"cells": [{"category": "coding", "length_band": "short", "mode": None,
+                                           "regen": cells[("coding", "short", None)],
+                                           "by_concurrency": {"1": {"num_requests": 2, "num_rounds": 9,
+                                                                    "acc_len_per_round": 3.2}}}]}}}
+    assert "| 3.200 | - | - | - | - | greedy 3.500; T=1 3.100; T=1 probabilistic+block 3.300 |" in format_endpoint(res)
+    assert regen_cells(None) == {}

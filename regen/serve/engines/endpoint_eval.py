@@ -168,13 +168,17 @@ def measure(profile, run, *, endpoint: str, metrics_url: str | None = None, base
         sets["heldout"] = heldout_messages(run, heldout_prompts(run, held, num_prompts))
     for name in benchmark_sets:
         sets[name] = benchmark_prompts(name, num_prompts)
+    from schemas.io import read_json
+
+    regen = regen_cells(read_json(run.eval_json)) if heldout and run.eval_json.exists() else {}
     result = {"endpoint": endpoint, "metrics_url": metrics_url, "baseline_endpoint": baseline, "engine": engine,
               "model": model, "max_new_tokens": max_new_tokens, "concurrency": list(concurrency), "sets": {}}
     for set_name, prompts in sets.items():
         cells = []
         for key, group in groups_of(prompts).items():
             bodies = [request_body_of(profile.generate, p, max_new_tokens, model) for p in group]
-            row = {"category": key[0], "length_band": key[1], "mode": key[2], "by_concurrency": {}}
+            row = {"category": key[0], "length_band": key[1], "mode": key[2], "by_concurrency": {},
+                   **({"regen": regen[key]} if set_name == "heldout" and key in regen else {})}
             for c in concurrency:
                 log(f"engine-eval endpoint: {set_name} {'/'.join(str(x or '-') for x in key)}: {len(bodies)} "
                     f"requests at concurrency {c}")
@@ -191,12 +195,30 @@ def measure(profile, run, *, endpoint: str, metrics_url: str | None = None, base
     result["averaging"] = {"acc_len_per_round": "1 + Σaccepted / Σdrafts of the group's counters",
                            "acc_len_per_request": "the mean of each request's 1 + accepted / drafts (counters read "
                                                   "around each request; concurrency 1 only)",
-                           "tokens_per_s": "the group's completion tokens / its wall seconds (all requests in flight)"}
+                           "tokens_per_s": "the group's completion tokens / its wall seconds (all requests in flight)",
+                           "regen": "regen eval's acc_len per round of the same cell (the run's eval.json, trained "
+                                    "draft): greedy, token-level at T and each served protocol"}
     return result
 
 
+def regen_cells(eval_json: dict | None) -> dict[tuple, dict]:
+    """{(category, length_band, mode): {protocol: regen eval's acc_len per round}} of the trained draft in an
+    eval.json (`regen.train.eval.run_eval`): "greedy" (T = 0), "T=<t>" (token-level rejection sampling) and each
+    served protocol ("T=<t> <draft_sample_method>+<rejection_sample_method>"); {} without one."""
+    if not eval_json:
+        return {}
+    out: dict[tuple, dict] = {}
+    t = ((eval_json.get("sampled") or {}).get("protocol") or {}).get("temperature")
+    sources = [("greedy", eval_json)] + ([(f"T={t:g}", eval_json["sampled"])] if "sampled" in eval_json else []) + [
+        (f"T={t:g} {k}", v) for k, v in (eval_json.get("served") or {}).items() if k != "probabilistic+standard"]
+    for name, res in sources:
+        for c in (((res.get("trained") or {}).get("breakdown") or {}).get("cells") or []):
+            out.setdefault((c["category"], c["length_band"], c["mode"]), {})[name] = c["acc_len_per_round"]
+    return out
+
+
 ENDPOINT_COLUMNS = ["set", "category", "length band", "mode", "concurrency", "requests", "rounds", "acc_len/round",
-                    "acc_len/request", "tokens/s", "baseline tokens/s", "speedup"]
+                    "acc_len/request", "tokens/s", "baseline tokens/s", "speedup", "regen eval acc_len"]
 
 
 def format_endpoint(res: dict) -> str:
@@ -208,9 +230,10 @@ def format_endpoint(res: dict) -> str:
     for set_name, s in res["sets"].items():
         for c in s["cells"]:
             for conc, f in c["by_concurrency"].items():
+                regen = "; ".join(f"{k} {v:.3f}" for k, v in (c.get("regen") or {}).items() if v is not None)
                 rows.append([set_name, c["category"], c["length_band"], c["mode"], conc, f["num_requests"],
                              f.get("num_rounds"), f.get("acc_len_per_round"), f.get("acc_len_per_request"),
-                             f.get("tokens_per_s"), f.get("baseline_tokens_per_s"), f.get("speedup")])
+                             f.get("tokens_per_s"), f.get("baseline_tokens_per_s"), f.get("speedup"), regen or None])
     return "\n".join(["| " + " | ".join(ENDPOINT_COLUMNS) + " |", "|" + "---|" * len(ENDPOINT_COLUMNS)]
                      + ["| " + " | ".join(cell(x) for x in r) + " |" for r in rows])
 
