@@ -141,6 +141,20 @@ def snapshot(metrics_url: str, engine: str | None = None) -> Counters:
     return parse_counters(text, engine or detect_engine(text), metrics_url)
 
 
+def settled(metrics_url: str, engine: str | None = None, *, interval_s: float = 0.2, max_reads: int = 10
+            ) -> Counters:
+    """The counters once two reads `interval_s` apart agree (at most `max_reads` reads): an engine may record a
+    request's counters just after its last chunk is sent (vLLM's stat loggers run in the output loop)."""
+    last = snapshot(metrics_url, engine)
+    for _ in range(max_reads - 1):
+        time.sleep(interval_s)
+        now = snapshot(metrics_url, engine)
+        if now == last:
+            return now
+        last = now
+    return last
+
+
 def served_models(base_url: str) -> list[str]:
     """The model ids GET `<base>/v1/models` lists."""
     return [str(m.get("id")) for m in (get(base_url.rstrip("/") + "/v1/models").json().get("data") or [])]

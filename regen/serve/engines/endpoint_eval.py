@@ -9,11 +9,11 @@ concurrency, and acceptance read from the engine's own Prometheus counters (`reg
 
 Prompts: the run's held-out prompts (`regen.train.eval.heldout_prompts`, round robin over the category x length
 band x mode cells; their first user turn from the selection, sent as messages), and each named benchmark set
-(`BENCHMARKS`: the evaluation sets bundled in data/contamination/, the texts the selection's contamination filter
-keeps out of training), each set reported on its own. Attribution: the engine's counters are server-wide, so the
-groups run one after another and the counters are read before and after each group (`Counters.__sub__`: a counter
-that goes backwards is an error); with concurrency 1 they are also read around each request, which gives acc_len
-per request. Reported per group and concurrency: requests, rounds (the engine's drafts), acc_len per round
+(`benchmarks()`: the evaluation sets bundled in data/contamination/, the texts the selection's contamination
+filter keeps out of training), each set reported on its own. Attribution: the engine's counters are server-wide,
+so the groups run one after another and the counters are read before and after each group (`Counters.__sub__`: a
+counter that goes backwards is an error; each read waits for the counters to settle, `settled`); with concurrency
+1 they are also read around each request, which gives acc_len per request. Reported per group and concurrency: requests, rounds (the engine's drafts), acc_len per round
 (1 + Σaccepted / Σdrafts) and per request, acceptance per draft position (accepted at k / drafts, where the engine
 counts it), completion tokens per second (all of the group's tokens / its wall time) and, with a baseline endpoint
 serving the target without the draft, the same requests' tokens/s there and the speedup. A group whose requests
@@ -97,22 +97,22 @@ def request_body_of(gen_cfg, prompt: dict, max_tokens: int, model: str) -> dict:
 def run_group(endpoint: str, bodies: list[dict], concurrency: int, *, metrics_url: str | None, engine: str | None):
     """Send `bodies`, `concurrency` at a time; returns (answers, counters of the group or None, per-request counters
     (concurrency 1 only, else []), wall seconds)."""
-    from regen.serve.engines.endpoint import snapshot, stream_chat
+    from regen.serve.engines.endpoint import settled, stream_chat
 
-    before = snapshot(metrics_url, engine) if metrics_url else None
+    before = settled(metrics_url, engine) if metrics_url else None
     t0 = time.perf_counter()
     per_request = []
     if concurrency == 1 and metrics_url:
         answers = []
         for b in bodies:
-            s0 = snapshot(metrics_url, engine)
+            s0 = settled(metrics_url, engine)
             answers.append(stream_chat(endpoint, b))
-            per_request.append((snapshot(metrics_url, engine) - s0).with_requests(1))
+            per_request.append((settled(metrics_url, engine) - s0).with_requests(1))
     else:
         with ThreadPoolExecutor(max_workers=concurrency) as pool:
             answers = list(pool.map(lambda b: stream_chat(endpoint, b), bodies))
     wall = time.perf_counter() - t0
-    delta = (snapshot(metrics_url, engine) - before).with_requests(len(bodies)) if metrics_url else None
+    delta = (settled(metrics_url, engine) - before).with_requests(len(bodies)) if metrics_url else None
     return answers, delta, per_request, wall
 
 
