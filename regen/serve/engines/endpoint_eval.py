@@ -7,17 +7,18 @@ concurrency, and acceptance read from the engine's own Prometheus counters (`reg
         [--baseline-endpoint http://10.0.0.6:8000] [--concurrency 1,8] [--benchmark fastchat_mt_bench,humaneval]
         [--engine vllm] [--model NAME] [--num-prompts 32] [--max-new-tokens 256]
 
-Prompts: the run's held-out prompts (`regen.train.eval.heldout_prompts`, round robin over the category x length
-band x mode cells; their first user turn from the selection, sent as messages), and each named benchmark set
-(`benchmarks()`: the evaluation sets bundled in data/contamination/, the texts the selection's contamination
-filter keeps out of training), each set reported on its own. Attribution: the engine's counters are server-wide,
-so the groups run one after another and the counters are read before and after each group (`Counters.__sub__`: a
-counter that goes backwards is an error; each read waits for the counters to settle, `settled`); with concurrency
-1 they are also read around each request, which gives acc_len per request. Reported per group and concurrency:
-requests, rounds (the engine's drafts), acc_len per round (1 + Σaccepted / Σdrafts) and per request, acceptance per draft position (accepted at k / drafts, where the engine
-counts it), completion tokens per second (all of the group's tokens / its wall time) and, with a baseline endpoint
-serving the target without the draft, the same requests' tokens/s there and the speedup. A group whose requests
-completed but which the engine never drafted for is reported as such (acc_len None, `num_rounds` 0), never as 1.
+Prompts: the run's held-out prompts (`regen.train.eval.heldout_prompts`, round robin over the category x length band
+x mode cells; their first user turn from the selection, sent as messages), and each named benchmark set
+(`benchmarks()`: the evaluation sets bundled in data/contamination/, the texts the selection's contamination filter
+keeps out of training), each set reported on its own. Attribution: the engine's counters are server-wide, so the
+groups run one after another and the counters are read before and after each group (`Counters.__sub__`: a counter
+that goes backwards is an error; each read waits for the counters to settle, `settled`); with concurrency 1 they are
+also read around each request, which gives acc_len per request. Reported per group and concurrency: requests, rounds
+(the engine's drafts), acc_len per round (1 + Σaccepted / Σdrafts) and per request, acceptance per draft position
+(accepted at k / drafts, where the engine counts it), completion tokens per second (all of the group's tokens / its
+wall time) and, with a baseline endpoint serving the target without the draft, the same requests' tokens/s there and
+the speedup. A group whose requests completed but which the engine never drafted for is reported as such (acc_len
+None, `num_rounds` 0), never as 1.
 """
 from __future__ import annotations
 
