@@ -16,6 +16,7 @@ from regen.serve.engines.endpoint import (ENGINE_COUNTERS, Counters, EndpointErr
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(ROOT / "tests" / "train"))
 
 from test_served_protocol import engine_source  # noqa: E402
 
@@ -196,6 +197,50 @@ def test_the_command_line_measures_an_endpoint_and_refuses_bad_flags(two_servers
     assert "choose from" in capsys.readouterr().err
 
 
+def test_the_heldout_cells_of_a_run_are_measured_and_aimable(two_servers, tmp_path):
+    """A run's held-out prompts (shards + selection), measured per cell through the endpoint; the result carries the
+    `trained.breakdown` view `regen select --aim` reads, and regen eval's figures when the run has an eval.json."""
+    import json
+
+    from train_helpers import ShardWriter
+
+    from regen.config import load_profile
+    from regen.rundir import RunDir
+    from regen.select.aim import cell_figures
+    from regen.serve.engines.endpoint_eval import measure
+    from schemas.io import write_json_atomic, write_rows_atomic
+    from schemas.messages import message_to_arrow
+    from schemas.prompt import PROMPT_SCHEMA
+
+    with_draft, _, K = two_servers
+    prompts, shard_rows = [], []
+    for i, (cat, band) in enumerate([("coding", "short"), ("coding", "short"), ("general", "long")]):
+        prompts.append({"prompt_id": f"p{i}", "messages": [message_to_arrow({"role": "user", "content": f"Say {i}."})],
+                        "tools": None, "category": cat, "language": "en", "source": "t", "source_file": "x.jsonl",
+                        "source_row": i, "num_turns": 1, "num_prompt_tokens": 5, "length_band": band, "mode": None})
+        shard_rows.append({"sample_id": f"s{i}", "prompt_id": f"p{i}", "turn": 0, "category": cat, "language": "en",
+                           "input_ids": list(range(1, 13)), "loss_spans": [{"start": 6, "end": 12}],
+                           "num_tokens": 12, "num_loss_tokens": 6})
+    info = write_rows_atomic(prompts, tmp_path / "prompts" / "part-00000.parquet", PROMPT_SCHEMA)
+    write_json_atomic({"stage": "select", "parts": [info], "rows": len(prompts)},
+                      tmp_path / "prompts" / "manifest.json")
+    ShardWriter(tmp_path).add(shard_rows, complete=True)
+    run = RunDir.at(str(tmp_path))
+    ev = {"trained": {"breakdown": {"cells": [{"category": "coding", "length_band": "short", "mode": None,
+                                               "acc_len_per_round": 2.5}]}}}
+    (tmp_path / "eval.json").write_text(json.dumps(ev))
+    profile = load_profile("local", ["train.heldout_fraction=1.0", "train.heldout_per_cell=0"])
+    res = measure(profile, run, endpoint=with_draft, concurrency=(1,), num_prompts=3, max_new_tokens=8,
+                  block_size=K, log=lambda *_: None)
+    cells = {(c["category"], c["length_band"]): c for c in res["sets"]["heldout"]["cells"]}
+    assert set(cells) == {("coding", "short"), ("general", "long")}
+    assert cells[("coding", "short")]["by_concurrency"]["1"]["num_requests"] == 2
+    assert cells[("coding", "short")]["regen"] == {"greedy": 2.5} and "regen" not in cells[("general", "long")]
+    figs, _, overall = cell_figures(res)
+    assert set(figs) == {("coding", "short", None), ("general", "long", None)} and overall >= 1.0
+    assert res["draft"] == f"llama.cpp at {with_draft}"
+
+
 def test_a_llama_cpp_server_of_its_own_measured_through_the_endpoint(two_servers):
     from regen.config import load_profile
     from regen.serve.engines.endpoint_eval import format_endpoint, measure
@@ -293,3 +338,20 @@ def test_regen_evals_cells_stand_beside_the_engines():
                                                                     "acc_len_per_round": 3.2}}}]}}}
     assert "| 3.200 | - | - | - | - | greedy 3.500; T=1 3.100; T=1 probabilistic+block 3.300 |" in format_endpoint(res)
     assert regen_cells(None) == {}
+
+
+def test_the_next_selection_can_be_aimed_from_the_engines_cells():
+    """`regen select --aim engine-eval-endpoint.json` reads the engine's held-out cells as it reads eval.json's."""
+    from regen.select.aim import cell_figures
+    from regen.serve.engines.endpoint_eval import aim_breakdown
+
+    def cell(cat, band, rounds, accepted, n=2):
+        return {"category": cat, "length_band": band, "mode": None, "by_concurrency": {
+            "1": {"num_requests": n, "num_rounds": rounds, "accepted_draft_tokens": accepted,
+                  "acc_len_per_round": round(1 + accepted / rounds, 6) if rounds else None}}}
+
+    heldout = {"cells": [cell("coding", "short", 10, 20), cell("coding", "long", 10, 0), cell("math", "short", 0, 0)]}
+    cells, cats, overall = cell_figures({"trained": {"breakdown": aim_breakdown(heldout, "1")}})
+    assert cells == {("coding", "short", None): (3.0, 2), ("coding", "long", None): (1.0, 2)}  # math: never drafted
+    assert cats == {"coding": 2.0} and overall == 2.0
+    assert aim_breakdown(None, "1") is None

@@ -193,6 +193,11 @@ def measure(profile, run, *, endpoint: str, metrics_url: str | None = None, base
                 row["by_concurrency"][str(c)] = fig
             cells.append(row)
         result["sets"][set_name] = {"num_prompts": len(prompts), "cells": cells}
+    low = str(min(concurrency))
+    aim = aim_breakdown(result["sets"].get("heldout"), low)
+    if aim is not None:  # `regen select --aim <this file>` aims the next selection from the engine's figures
+        result["draft"] = f"{engine} at {endpoint}"
+        result["trained"] = {"breakdown": aim}
     result["averaging"] = {"acc_len_per_round": "1 + Σaccepted / Σdrafts of the group's counters",
                            "acc_len_per_request": "the mean of each request's 1 + accepted / drafts (counters read "
                                                   "around each request; concurrency 1 only)",
@@ -216,6 +221,32 @@ def regen_cells(eval_json: dict | None) -> dict[tuple, dict]:
         for c in (((res.get("trained") or {}).get("breakdown") or {}).get("cells") or []):
             out.setdefault((c["category"], c["length_band"], c["mode"]), {})[name] = c["acc_len_per_round"]
     return out
+
+
+def aim_breakdown(heldout: dict | None, concurrency: str) -> dict | None:
+    """The engine's held-out cells at one concurrency in the layout `regen select --aim` reads from an eval.json
+    (`trained.breakdown`: cells, by category, overall; `regen.select.aim.cell_figures`), so the next selection can be
+    aimed at the cells where the served engine accepts least. Categories and the overall pool the cells' counters
+    (1 + Σaccepted / Σdrafts). None without held-out cells."""
+    if not heldout:
+        return None
+    cells, pooled = [], {}
+    for c in heldout["cells"]:
+        f = c["by_concurrency"].get(concurrency) or {}
+        cells.append({"category": c["category"], "length_band": c["length_band"], "mode": c["mode"],
+                      "num_requests": f.get("num_requests", 0), "num_rounds": f.get("num_rounds", 0),
+                      "acc_len_per_round": f.get("acc_len_per_round")})
+        if f.get("num_rounds") and f.get("accepted_draft_tokens") is not None:
+            for key in (c["category"], None):
+                r, a, n = pooled.get(key, (0, 0, 0))
+                pooled[key] = (r + f["num_rounds"], a + f["accepted_draft_tokens"], n + f["num_requests"])
+
+    def fig(key):
+        r, a, n = pooled.get(key, (0, 0, 0))
+        return {"num_requests": n, "num_rounds": r, "acc_len_per_round": round(1 + a / r, 6) if r else None}
+
+    return {"cells": cells, "by": {"category": {k: fig(k) for k in pooled if k is not None}}, "overall": fig(None),
+            "source": f"the engine's counters at concurrency {concurrency}"}
 
 
 ENDPOINT_COLUMNS = ["set", "category", "length band", "mode", "concurrency", "requests", "rounds", "acc_len/round",
