@@ -24,6 +24,10 @@ The first token is drawn from the prefill at T and not counted; τ and accept_ra
 from one `torch.Generator` per prompt seeded by (seed, prompt_id): a run is reproducible, and every draft
 meets the same random stream on a prompt.
 
+Served protocols (`regen.train.verification`, `run_eval(methods=...)`): the same sampled generation with greedy
+drafting (q one-hot on the draft's argmax) and/or block verification (Sun et al. 2024) in place of the token-level
+rule, each on the same random streams, under `served` in eval.json.
+
 Held-out prompts: `regen.train.heldout.HeldoutSplit` (a sha256 bucket of the prompt id, `is_heldout`, and per-cell
 picks so every cell of the selection is measured); the trainer's feed drops the same prompts (`regen.train.feed`),
 so evaluation never sees a trained-on prompt. The prompt of a shard row
