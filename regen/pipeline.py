@@ -220,7 +220,7 @@ def run_pipeline(profile: Profile, run: RunDir, *, progress: bool = True, log=pr
 
 def loop_round(profile: Profile, run: RunDir, *, budget_units: int, policy: str = "weakest",
                train_steps: int | None = None, prior_requests: float = 4.0, progress: bool = True, log=print) -> dict:
-    """One round of the data loop (issue 28): the next selection aimed at the last evaluation
+    """One round of the data loop: the next selection aimed at the last evaluation
     (`regen.select.aim.next_selection`), generate (only the new prompts' units: the ledger has the rest), filter,
     render, train from the last draft (`train.init_from`, into `<run>/train-loop-NN`, `train_steps` or
     train.max_steps steps on every shard), evaluate it on the same held-out prompts (`<run>/eval-loop-NN.json`).

@@ -1,4 +1,4 @@
-"""Preflight: check the configuration of every stage a run will use before its first request (issue 13, point 0).
+"""Preflight: check the configuration of every stage a run will use before its first request.
 
     preflight(profile, run)   -> the report; raises one InputError listing every problem found
 

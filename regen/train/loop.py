@@ -124,7 +124,7 @@ def build_draft_config(cfg, target_config):
         dc = small_config_for_target(tc, num_hidden_layers=cfg.num_draft_layers, **common, **cfg.draft)
     else:
         raise InputError(f"train.draft_preset={cfg.draft_preset!r}: allowed values are 'small' and 'kimi-k3'")
-    if cfg.rope_theta is not None:  # the profile states the base: it wins over the preset's (issue 14)
+    if cfg.rope_theta is not None:  # the profile states the base: it wins over the preset's
         dc = dataclasses.replace(dc, rope_parameters={**dc.rope_parameters, "rope_theta": float(cfg.rope_theta)})
     return dc
 

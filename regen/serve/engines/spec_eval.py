@@ -20,7 +20,7 @@ Reported (`<run>/engine-eval.json`):
   the engine's answer equal to the trainer target's greedy continuation. Differences have three sources, each
   reported: the budget rule (the two regen figures), the engine's weights (q8_0 against f32) and the engine's
   float arithmetic (f32 engine against regen).
-- per cell (issue 28): the engine's figures and regen's replay per category x length band x mode of the held-out
+- per cell (where the draft is weak): the engine's figures and regen's replay per category x length band x mode of the held-out
   prompts (`engine_breakdown`, `regen.train.eval_cells.breakdown`), printed as one table per weight type.
 """
 from __future__ import annotations
@@ -101,7 +101,7 @@ def summarize_engine(results: list[dict], block_size: int) -> dict:
 
 
 def engine_breakdown(prompts: list[dict], results: list[dict], block_size: int) -> dict:
-    """The engine's figures per category x length band x mode (issue 28, point 2) and per dimension alone, in the
+    """The engine's figures per category x length band x mode and per dimension alone, in the
     layout of `regen.train.eval_cells.breakdown`: {"cells": [{category, length_band, mode, **figures}], "by":
     {dimension: {value: figures}}, "overall", "averaging"}. `prompts[i]` is the held-out prompt of `results[i]`
     (`serve_and_measure`). Each figures dict: num_requests, num_rounds (the engine's drafts), acc_len_per_round
