@@ -1,4 +1,4 @@
-"""The documentation stays true (issue 22): README.md and docs/*.md against the code they describe.
+"""The documentation stays true: README.md and docs/*.md against the code they describe.
 
 - every command line that runs the CLI parses with the CLI's own argument parser (nothing is run);
 - every `section.key` profile key they name exists in the typed configs (`regen.config.Profile`);
