@@ -89,8 +89,8 @@ class DSparkConfig:
         theta = (self.rope_parameters or {}).get("rope_theta")
         if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 0:
             raise ValueError(f"rope_parameters.rope_theta={theta!r}: state the RoPE base explicitly (a positive "
-                             "number, e.g. 50000.0 for the K3 draft); no default is assumed (issue 14: a YaRN draft "
-                             "trainer that dropped the base trained at 10,000 whatever its config declared)")
+                             "number, e.g. 50000.0 for the K3 draft); no default is assumed (a draft trainer that dropped "
+                             "the base trained at 10,000 whatever its config declared, and served wrong)")
         eos = self.eos_token_id
         object.__setattr__(self, "eos_token_id", tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),))
         ids = self.target_layer_ids
