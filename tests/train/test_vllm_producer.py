@@ -29,8 +29,17 @@ def _has_vllm() -> bool:
     return subprocess.run([VLLM_PYTHON, "-c", "import vllm"], capture_output=True, timeout=300).returncode == 0
 
 
-needs_vllm = pytest.mark.skipif(not _has_vllm(), reason=f"no vLLM venv at {VLLM_PYTHON} (build it with "
-                                "`REGEN_VLLM=1 bash scripts/setup.sh`, or set REGEN_VLLM_PYTHON)")
+@pytest.fixture(scope="session")
+def vllm_venv() -> str:
+    """VLLM_PYTHON, or a skip saying how to build it. A fixture, not a skipif: importing vLLM takes 10-60 s on 2
+    cores, paid only when a test that needs it runs (not at every collection, e.g. the quick tier's)."""
+    if not _has_vllm():
+        pytest.skip(f"no vLLM venv at {VLLM_PYTHON} (build it with `REGEN_VLLM=1 bash scripts/setup.sh`, or set "
+                    "REGEN_VLLM_PYTHON)")
+    return VLLM_PYTHON
+
+
+needs_vllm = pytest.mark.usefixtures("vllm_venv")
 
 # Tolerance of vLLM's CPU kernels against transformers' in fp32, relative to each token's state norm: see
 # test_vllm_features_equal_transformers_and_train_through_the_dispatcher.
