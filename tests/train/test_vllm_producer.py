@@ -82,6 +82,7 @@ def test_vllm_producer_refuses_what_it_cannot_produce_before_starting_a_server(t
         prod.close()
 
 
+@pytest.mark.integration
 def test_an_unreachable_dispatcher_is_a_clear_error():
     proc = subprocess.run([sys.executable, "-m", "regen.cli", "features", "produce-vllm", "--dispatcher",
                            "http://127.0.0.1:9", "--connect-timeout-s", "0.5"], capture_output=True, text=True,
@@ -89,6 +90,7 @@ def test_an_unreachable_dispatcher_is_a_clear_error():
     assert proc.returncode == 2 and "did not answer" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.integration
 @needs_vllm
 def test_connector_reads_the_states_where_vllms_cache_writer_put_them(tmp_path):
     """Worker side, no server: vLLM's own `basic_cache` writes states into a hidden-state KV cache; the connector's
@@ -135,6 +137,7 @@ def test_connector_reads_the_states_where_vllms_cache_writer_put_them(tmp_path):
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
 
 
+@pytest.mark.integration
 @needs_vllm
 def test_vllm_features_equal_transformers_and_train_through_the_dispatcher(tmp_path):
     """One vLLM server (extract_hidden_states + regen's connector) on SmolLM2-135M in fp32, in a private network
