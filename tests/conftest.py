@@ -18,3 +18,16 @@ def repo_root() -> Path:
 def pool_dir() -> Path:
     """`data/pool`: the first rows of every file of the public prompt sets (its SOURCES.md), in the repository."""
     return POOL
+
+
+# The quick tier (`pytest -m quick`, docs/development.md): every test marked neither `slow` (starts a real server or
+# model end to end) nor `integration` (starts processes or trains: seconds to a minute each). Computed here so that
+# a new test joins the quick tier by default and leaves it by one marker.
+HEAVY_MARKERS = ("slow", "integration")
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects (the mark plugin's own hook)
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if not any(item.get_closest_marker(name) for name in HEAVY_MARKERS):
+            item.add_marker(pytest.mark.quick)

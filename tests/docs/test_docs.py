@@ -249,12 +249,14 @@ def command_lines() -> list[tuple[str, str, bool]]:
     return found
 
 
+@pytest.mark.integration
 def test_docs_name_command_lines():
     lines = command_lines()
     strict = [line for _, line, s in lines if s and any(cli_invocation(c) for c in segments(line))]
     assert len(strict) >= 50, f"only {len(strict)} CLI command lines found: the extraction is broken"
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("page", [rel(p) for p in PAGES])
 def test_every_command_line_parses(page):
     problems = []
@@ -276,6 +278,7 @@ def test_every_command_line_parses(page):
     assert not problems, f"{page}: command lines the CLI does not parse:\n  " + "\n  ".join(problems)
 
 
+@pytest.mark.integration
 def test_command_lines_stand_in_shell_blocks():
     """A command line in a block without a shell language would escape the parse check."""
     hidden = [f"{rel(page)}: {line.strip()}" for page in PAGES
@@ -284,6 +287,7 @@ def test_command_lines_stand_in_shell_blocks():
     assert not hidden, "command lines in a block that is not ```bash:\n  " + "\n  ".join(hidden)
 
 
+@pytest.mark.integration
 def test_a_wrong_command_line_is_caught():
     assert check_invocation("regen", ["run", "--profile", "local"])  # --run is required
     assert check_invocation("regen", ["generate", "--run", "r", "--retry"])  # not an option

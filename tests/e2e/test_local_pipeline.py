@@ -130,10 +130,13 @@ def test_the_main_job_trains_through_feature_producers_with_one_switch(local_run
     if not load_profile("local").train.enabled:
         pytest.skip("the local profile does not train")
     before = json.loads((run / "train" / "summary.json").read_text())
+    # the serve stage's round trip is held by test_training_ran_when_the_profile_enables_it: not served again here
     out = _regen("run", "--profile", "local", "--run", str(run), "--no-progress", *SMALL,
-                 "--set", "train.features=producers", "--set", "train.max_steps=4", "--set", "train.eval_prompts=0")
+                 "--set", "train.features=producers", "--set", "train.max_steps=4", "--set", "train.eval_prompts=0",
+                 "--set", "serve.engine_eval=false")
     summary = json.loads((run / "train" / "summary.json").read_text())
     assert "== train done" in out.stdout and summary["steps"] == 4 and summary["features_from"] == "producers"
+    assert "== serve" not in out.stdout
     f = summary["features"]
     assert f["objects"] >= 2 and f["failed_microbatches"] == 0 and len(f["producers"]) == 2
     assert summary["target_memory_bytes_per_rank"] < before["target_memory_bytes_per_rank"] / 2

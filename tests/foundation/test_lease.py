@@ -51,6 +51,7 @@ def test_a_live_lease_of_another_host_is_not_taken_over(tmp_path):
         Lease(tmp_path, "select").acquire()
 
 
+@pytest.mark.integration
 def test_a_lease_of_a_dead_process_on_this_host_is_taken_over_before_expiry(tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -88,6 +89,7 @@ def test_select_refuses_while_generate_holds_the_run(tmp_path):
         check_not_held(tmp_path, "select", by="generate")
 
 
+@pytest.mark.integration
 def test_render_and_train_refuse_a_second_writer(tmp_path):
     from regen.config import load_profile
     from regen.render.stage import run_render

@@ -56,6 +56,7 @@ def _get(url: str) -> tuple[int, str]:
         return e.code, ""
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("names", ["vllm", "sglang"])
 def test_capacity_model_queues_beyond_its_slots_and_shows_it_in_metrics(names):
     srv = ServerThread(Settings(slots=2, itl_s=0.01, tokens=40, reasoning_tokens=10, metrics=names, log=False))
@@ -86,6 +87,7 @@ def test_capacity_model_queues_beyond_its_slots_and_shows_it_in_metrics(names):
     assert lat[-1] > 2 * lat[0]  # the last two waited for two rounds of slots
 
 
+@pytest.mark.integration
 def test_capacity_model_bounds_its_queue_and_lengths_are_long_tailed():
     srv = ServerThread(Settings(slots=1, itl_s=0.01, tokens=100, reasoning_tokens=0, max_waiting=1,
                                 length_sigma=1.0, log=False))
@@ -115,6 +117,7 @@ def test_capacity_model_bounds_its_queue_and_lengths_are_long_tailed():
         srv.stop()
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("metrics", ["vllm", None])
 def test_auto_adapts_each_endpoint_and_records_the_history(run_dir, metrics):
     small = ServerThread(Settings(slots=2, itl_s=0.002, tokens=20, reasoning_tokens=5, metrics=metrics, log=False))

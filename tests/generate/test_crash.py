@@ -36,6 +36,7 @@ def outputs(run: RunDir) -> dict:
     return out
 
 
+@pytest.mark.integration
 def test_sigkill_at_random_points_then_resume(tmp_path):
     rng = random.Random(1234)
     convs = conversations(160)

@@ -191,6 +191,7 @@ def test_consecutive_user_turns_are_answered_one_by_one(server, run_dir):
     assert r1["messages"][1]["content"] == r0["content"] and r1["messages"][2]["content"] == messages[1]["content"]
 
 
+@pytest.mark.integration
 def test_api_key_is_sent_but_never_written(tmp_path, run_dir, monkeypatch):
     secret = "sk-test-SECRET-9f8e7d6c5b4a"
     monkeypatch.setenv("REGEN_TEST_KEY", secret)
@@ -220,6 +221,7 @@ def test_retry_after_cools_the_endpoint_down(server, run_dir):
     assert len(times) == 3 and all(b - a >= 0.39 for a, b in zip(times, times[1:]))
 
 
+@pytest.mark.integration
 def test_least_outstanding_routing_and_health_checks():
     async def scenario(a, b):
         health = HealthConfig(fail_threshold=2, interval_s=0.1, max_wait_s=5)

@@ -37,6 +37,7 @@ def test_missing_prompts_is_a_clear_error(run_dir):
         run_generate(fast_config(), run_dir, endpoints=["http://127.0.0.1:9/v1"], progress=False)
 
 
+@pytest.mark.integration
 def test_server_module_and_cli_with_a_kimi_style_body(tmp_path, repo_root):
     """The fake server as a process (as the deployment test uses it) logs the bodies the kimi-k3 profile sends."""
     from regen.rundir import RunDir

@@ -58,6 +58,7 @@ def slow_server():
     srv.stop()
 
 
+@pytest.mark.integration
 def test_cli_with_stdout_to_a_file_prints_lines_while_it_runs(slow_server, tmp_path):
     from regen.rundir import RunDir
 

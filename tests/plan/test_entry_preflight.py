@@ -46,6 +46,7 @@ def generate_args(run: RunDir, url: str) -> list[str]:
             "--max-in-flight", "4", "--set", "generate.max_tokens=16"]
 
 
+@pytest.mark.integration
 def test_regen_generate_refuses_a_server_without_the_model_before_any_request(other_model, k3_env, tmp_path, capsys):
     run = RunDir.at(tmp_path / "run")
     write_prompts(run, 3)
@@ -79,6 +80,7 @@ def test_regen_generate_refuses_a_wrong_key_and_an_unreachable_endpoint(server, 
     assert server.server.log == []
 
 
+@pytest.mark.integration
 def test_plan_pilot_refuses_before_its_first_request(other_model, k3_env, tmp_path):
     profile = load_profile("kimi-k3", {"generate.endpoints": [other_model.base_url], "select.total": 24,
                                        "train.enabled": False})
@@ -88,6 +90,7 @@ def test_plan_pilot_refuses_before_its_first_request(other_model, k3_env, tmp_pa
     assert other_model.server.log == []
 
 
+@pytest.mark.integration
 def test_the_flows_generate_task_checks_before_its_first_request(other_model, k3_env, tmp_path, monkeypatch):
     from flows import regen_flow
 

@@ -20,6 +20,7 @@ def quiet(*_):
     pass
 
 
+@pytest.mark.integration
 def test_kimi_k3_plans_without_a_request(k3_env, monkeypatch, tmp_path, capsys):
     """The profile as shipped, its tokenizer variable on the bundled test tokenizer; no endpoint, no key, no
     target: the plan is made (the K3 shape assumed for the draft) and lists what would stop `regen run`."""
@@ -81,6 +82,7 @@ def test_kimi_k3_plans_without_a_request(k3_env, monkeypatch, tmp_path, capsys):
     assert total == pytest.approx(plan["output_tokens"]["total"], rel=0.01)
 
 
+@pytest.mark.integration
 def test_local_plans_without_a_request(tmp_path):
     profile = load_profile("local", {"select.total": 60})
     plan = build_plan(profile, RunDir.at(tmp_path / "run"), log=quiet)
@@ -105,6 +107,7 @@ def long_answers():
     srv.stop()
 
 
+@pytest.mark.integration
 def test_plan_within_10_percent_of_a_small_real_run(long_answers, k3_env, tmp_path):
     over = {"generate.endpoints": [long_answers.base_url], "select.total": 40, "train.enabled": False,
             "generate.max_tokens": 1024}

@@ -40,6 +40,7 @@ FAULTS = {
 }
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("fault", sorted(FAULTS))
 def test_each_fault_stops_the_run_before_any_request(fault, server, k3_env, monkeypatch, tmp_path):
     make, word = FAULTS[fault]
@@ -52,6 +53,7 @@ def test_each_fault_stops_the_run_before_any_request(fault, server, k3_env, monk
     assert chat_requests(server) == [] and not run.prompts.exists()  # nothing selected, nothing requested
 
 
+@pytest.mark.integration
 def test_wrong_model_name_and_unreachable_endpoint(server, k3_env, tmp_path):
     dead = closed_port_url()
     prof = profile_for(server.base_url, **{"generate.model": "moonshotai/Kimi-K2"})

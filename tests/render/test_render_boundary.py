@@ -174,6 +174,7 @@ def gemma_dir(repo_root: Path) -> Path:
     return d
 
 
+@pytest.mark.integration
 def test_local_profile_shown_input_through_the_stage_and_show_render(tmp_path, repo_root):
     """The issue's input on the local profile's real tokenizer (Gemma 3): the first supervised token is the "\\n"
     the target produced after "<start_of_turn>model\\n", not a merged "\\n\\n" (id 108)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 from regen.cli import main as cli_main
@@ -31,6 +32,7 @@ def test_regen_render_cli(tmp_path, capsys):
     assert "regen generate" in capsys.readouterr().err
 
 
+@pytest.mark.integration
 def test_bench_quick_runs(repo_root):
     out = subprocess.run([sys.executable, str(repo_root / "bench" / "render.py"), "--quick"], capture_output=True,
                          text=True, timeout=120, cwd=repo_root)

@@ -84,6 +84,7 @@ def test_errors_exit_2_with_a_message(monkeypatch, capsys, payload, args, match)
     assert rc == 2 and out == "" and match in err and "Traceback" not in err
 
 
+@pytest.mark.integration
 def test_installed_command(repo_root):
     exe = repo_root / ".venv" / "bin" / "regen"
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "regen.cli"]
@@ -159,6 +160,7 @@ def test_tab_newline_cr_and_non_ascii_pass_unchanged(monkeypatch, capsys):
     assert rc == 0 and content in json.loads(out)["text"] and "\ufffd" not in out
 
 
+@pytest.mark.integration
 def test_installed_command_refuses_invalid_utf8(repo_root):
     proc = subprocess.run([sys.executable, "-m", "regen.cli", "show-render", "--profile", "kimi-k3"],
                           input=b'{"messages": [{"role": "user", "content": "caf\xe9"}]}', capture_output=True,

@@ -107,6 +107,7 @@ def test_heldout_rule_is_the_trainers():
     assert [is_heldout(p, 0.15) for p in ids] == [train_is_heldout(p, 0.15) for p in ids]
 
 
+@pytest.mark.integration
 def test_cli_and_its_errors(local_run, tmp_path, capsys):
     profile, run = local_run
     argv = ["select", "--profile", "local", "--run", str(run.root), "--set", "select.total=40"]
@@ -122,6 +123,7 @@ def test_cli_and_its_errors(local_run, tmp_path, capsys):
         next_selection(profile.select, run, seed=0, eval_path=run.root / "eval.json", budget_units=5)
 
 
+@pytest.mark.integration
 def test_generate_asks_only_the_new_prompts(local_run, tmp_path):
     from regen.generate.stage import run_generate
     from regen.testing.openai_server import ServerThread, Settings

@@ -5,6 +5,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from regen.cli import main as cli_main
 
 
@@ -40,6 +42,7 @@ def test_kimi_profile_on_the_fixture(tmp_path, repo_root, capsys, monkeypatch):
     assert manifest["counts"]["category"]["tool_use"] > 0
 
 
+@pytest.mark.integration
 def test_bench_quick_smoke(repo_root):
     out = subprocess.run([sys.executable, str(repo_root / "bench/selection.py"), "--quick", "--rows", "3000", "--total", "500"],
                          capture_output=True, text=True, timeout=300, check=True).stdout

@@ -6,6 +6,7 @@ import random
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
 from regen.config import load_profile
 from regen.config.select import SelectConfig, SourceConfig
@@ -63,6 +64,7 @@ def test_select_rows_seeded_stratified_and_capped():
     assert len(idx) == 600 and rep["capped"]
 
 
+@pytest.mark.integration
 def test_local_profile_deterministic_by_seed(tmp_path):
     profile = load_profile("local")
     runs = {}
@@ -161,6 +163,7 @@ def _select_workers(timeout_s: float = 60.0) -> list:
     raise AssertionError("no select worker started")
 
 
+@pytest.mark.integration
 def test_workers_are_not_forked_from_the_calling_process(tmp_path):
     """A fork of a process with threads can inherit a lock one of them held and wait on it forever (a loop round
     hung so under CI): the workers come from the forkserver, a single-threaded process started once."""
@@ -177,6 +180,7 @@ def test_workers_are_not_forked_from_the_calling_process(tmp_path):
     assert parents and os.getpid() not in parents
 
 
+@pytest.mark.integration
 def test_a_killed_worker_fails_the_stage_with_its_remedy_and_keeps_the_last_selection(tmp_path, capsys):
     """A worker killed by the OS (here SIGKILL, as the OOM killer sends) ends `regen select` with a named error and
     exit status 1, not a wait without end; the run's previous selection is left as it was."""

@@ -42,6 +42,7 @@ def test_the_warm_up_carries_exactly_the_request_sampling():
     assert sampling(GenerateConfig(temperature=0.0, top_p=1.0, seed=3)) == {"temperature": 0.0, "top_p": 1.0, "seed": 3}
 
 
+@pytest.mark.integration
 def test_missing_model_names_the_fix(tmp_path):
     with pytest.raises(InputError, match="scripts/setup.sh"):
         EmbeddedTarget(ServeConfig(model_dir=str(tmp_path / "nope"))).start()

@@ -96,6 +96,7 @@ def local_draft(tmp_path: Path, model_dir: Path, *, draft_vocab_size: int = 4096
     return out
 
 
+@pytest.mark.integration
 def test_tokenspeed_serves_the_k3_export_with_fc_norm_and_the_attn_res_stream(tmp_path):
     export = tmp_path / "tokenspeed"
     rec = export_draft(k3_draft(tmp_path), "tokenspeed", export)
@@ -113,6 +114,7 @@ def test_tokenspeed_serves_the_k3_export_with_fc_norm_and_the_attn_res_stream(tm
     assert any(n.startswith("fc_norm.") for n in res["params"]) and v["equal"] == len(res["params"])
 
 
+@pytest.mark.integration
 def test_tokenspeed_own_checks_refuse_what_regen_refuses(tmp_path):
     """The refusals are the engine's: an export forced past regen's check fails the engine's own code."""
     export = tmp_path / "forced"
@@ -129,6 +131,7 @@ def test_tokenspeed_own_checks_refuse_what_regen_refuses(tmp_path):
         "launch_widths"]["message"]  # a width typed for another block size raises at launch
 
 
+@pytest.mark.integration
 def test_vllm_serves_the_k3_export_and_refuses_fc_norm(tmp_path):
     with pytest.raises(EngineRefused, match="vllm: fc_norm=True: vLLM 0.32's K3 draft has no fc_norm"):
         export_draft(k3_draft(tmp_path), "vllm", tmp_path / "refused")
@@ -152,6 +155,7 @@ def test_vllm_serves_the_k3_export_and_refuses_fc_norm(tmp_path):
     assert "fc_norm" in run_engine("vllm", export, K3_TARGET, tmp_path)["load_weights"]["message"]
 
 
+@pytest.mark.integration
 def test_vllm_serves_the_local_gqa_export_with_its_draft_vocabulary(tmp_path, model_dir):
     export = tmp_path / "vllm-gqa"
     rec = export_draft(local_draft(tmp_path, model_dir), "vllm", export, target_path=str(model_dir))
@@ -168,6 +172,7 @@ def test_vllm_serves_the_local_gqa_export_with_its_draft_vocabulary(tmp_path, mo
     assert "draft_id_to_target_id" in res["params"] and res["params"]["lm_head.weight"][0] >= 4096
 
 
+@pytest.mark.integration
 def test_sglang_serves_the_full_vocabulary_gqa_export_and_refuses_a_reduced_one(tmp_path, model_dir):
     with pytest.raises(EngineRefused, match="sglang: draft_vocab_size=4096"):
         export_draft(local_draft(tmp_path, model_dir), "sglang", tmp_path / "refused")
@@ -183,6 +188,7 @@ def test_sglang_serves_the_full_vocabulary_gqa_export_and_refuses_a_reduced_one(
     assert v["differ"] == [] and v["missing"] == [] and v["engine_params_not_from_export"] == [], v
 
 
+@pytest.mark.integration
 def test_no_engine_takes_a_trainer_step_folder_for_a_model_of_its_own(tmp_path, model_dir):
     """The trainer's folders name no engine class: each engine's config reader refuses them outright."""
     step = k3_draft(tmp_path)

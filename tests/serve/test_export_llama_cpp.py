@@ -35,6 +35,7 @@ def smol_step(tmp_path_factory, model_dir):
     return out
 
 
+@pytest.mark.integration
 def test_the_gguf_holds_the_draft_in_llama_cpps_names_and_conventions(smol_step, model_dir, tmp_path):
     import gguf
     from safetensors.torch import load_file
@@ -111,6 +112,7 @@ def test_lossless_names_the_first_difference_and_its_near_tie():
     assert lossless(ref[:1], [{"prompt_id": "a", "tokens": [1, 2, 3]}])["identical"] == 1
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(xllamacpp_version() is None, reason="xllamacpp is not installed (scripts/setup.sh)")
 def test_llama_cpp_serves_the_export_beside_the_target_and_an_untrained_draft_is_accepted_about_never(
         smol_step, model_dir, tmp_path):

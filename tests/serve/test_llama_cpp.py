@@ -60,6 +60,7 @@ def test_without_the_package_it_falls_back_to_transformers_and_says_so(monkeypat
     assert resolve_engine(ServeConfig(engine="transformers"), said.append) == "transformers"
 
 
+@pytest.mark.integration
 def test_a_missing_gguf_names_the_fix(tmp_path, model_dir):
     d = tmp_path / "smollm2-135m"
     d.mkdir()

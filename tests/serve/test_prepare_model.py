@@ -50,6 +50,7 @@ def test_templates_differ_per_model_and_the_marker_tracks_them():
     assert "{% generation %}" in pm.CHATML_TEMPLATE.replace("{%- generation -%}", "{% generation %}")
 
 
+@pytest.mark.integration
 def test_generation_defaults_sample_and_a_changed_default_rewrites_only_that_file(tmp_path, capsys):
     """The prepared model samples when a request asks for temperature > 0 (do_sample on, as Hub instruct checkpoints
     ship it); a directory prepared before that default is brought up to date without reloading the GGUF."""

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.integration  # starts processes (docs/development.md)
+
 
 def test_bench_features_quick_prints_each_section():
     pytest.importorskip("mooncake.store", reason="the Mooncake store (bash scripts/setup.sh installs it)")

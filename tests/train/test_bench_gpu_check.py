@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.integration  # starts processes (docs/development.md, the test tiers)
+
 ROOT = Path(__file__).resolve().parents[2]
 WHEELS = ROOT / ".gpu-wheels"
 

@@ -43,6 +43,7 @@ def _bench_on_two_shard_sets(tmp_path, tiny_target, num_shards: int, *args: str)
     return run, proc
 
 
+@pytest.mark.integration
 def test_bench_regen_vs_original_quick(tmp_path, tiny_target):
     run, proc = _bench_on_two_shard_sets(tmp_path, tiny_target, 2, "--seeds", "0,1")
     out = json.loads((run / "regen_vs_original.json").read_text())
@@ -70,6 +71,7 @@ def test_bench_regen_vs_original_quick(tmp_path, tiny_target):
     assert not (run / "train").exists() and not (run / "eval.json").exists()
 
 
+@pytest.mark.integration
 def test_bench_regen_vs_original_needs_the_main_job(tmp_path, tiny_target):
     root = Path(__file__).resolve().parents[2]
     profile = write_profile(tmp_path / "tiny.yaml", tiny_target)
@@ -101,6 +103,7 @@ def test_train_and_eval_on_the_original_set_through_the_cli(tmp_path, tiny_targe
     assert cli_main(["train", "--profile", str(profile), "--run", str(run), "--max-steps", "2"]) == 2
 
 
+@pytest.mark.integration
 def test_bench_regen_vs_original_sampled(tmp_path, tiny_target):
     """--temperature adds the rejection-sampling figures beside the greedy ones (never in their place)."""
     run, proc = _bench_on_two_shard_sets(tmp_path, tiny_target, 1, "--temperature", "1.0")
@@ -115,6 +118,7 @@ def test_bench_regen_vs_original_sampled(tmp_path, tiny_target):
     assert "greedy (T = 0)" in proc.stdout and "rejection sampling (T = 1)" in proc.stdout
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("temperature", ["-1", "nan"])
 def test_bench_regen_vs_original_refuses_a_bad_temperature_before_training(tmp_path, tiny_target, temperature):
     run = tmp_path / "run"

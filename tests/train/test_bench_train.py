@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.integration  # starts processes (docs/development.md)
+
 
 def test_bench_train_quick_runs_and_prints_its_figures():
     root = Path(__file__).resolve().parents[2]

@@ -40,6 +40,7 @@ def setup(tiny_target):
     return draft, target, rows
 
 
+@pytest.mark.integration
 def test_probe_reads_each_part_of_the_draft(setup):
     draft, target, rows = setup
     bench = _bench()
@@ -78,6 +79,7 @@ def test_probe_reads_each_part_of_the_draft(setup):
         layers.F.scaled_dot_product_attention(q, q, q, is_causal=True)  # not what the draft's layers call
 
 
+@pytest.mark.integration
 def test_probe_variants_separate_the_parts(setup):
     """Without the Markov head's output the draft is its backbone; with its context masked out the draft reads no
     target feature, so other features leave that variant's figures unchanged."""
@@ -106,6 +108,7 @@ def test_probe_variants_separate_the_parts(setup):
     assert noisy["slots"]["markov"] == real["slots"]["markov"]
 
 
+@pytest.mark.integration
 def test_probe_command(tmp_path, tiny_target):
     from transformers import AutoConfig
 

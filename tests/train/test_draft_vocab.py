@@ -149,6 +149,7 @@ def test_loss_over_a_reduced_vocabulary_is_the_full_draft_restricted_to_its_rows
         dspark_loss(small, batch, feats, anchors, keep)
 
 
+@pytest.mark.integration
 def test_training_with_a_draft_vocabulary_counts_training_rows_and_resumes_with_it(tiny_run, tmp_path):
     import shutil
 
@@ -180,6 +181,7 @@ def test_training_with_a_draft_vocabulary_counts_training_rows_and_resumes_with_
         run_train(train_cfg(profile, max_steps=6, draft_vocab_size=100), RunDir.at(run_dir))
 
 
+@pytest.mark.integration
 def test_follow_waits_for_the_first_shard_to_choose_the_vocabulary(tmp_path, tiny_target):
     import threading
     import time

@@ -128,6 +128,7 @@ def test_dummy_blocks_are_finite_and_gradients_reach_trainable_parts_only():
         assert g is not None and torch.isfinite(g).all() and g.abs().sum() > 0, name
 
 
+@pytest.mark.integration
 def test_tiny_draft_learns_a_deterministic_sequence():
     """Sanity: on a language cycling through 8 tokens, with a target whose p_t says so, the loss falls and the
     teacher-forced acceptance chain grows."""

@@ -1,6 +1,7 @@
 """`train.dtype` / `train.target_dtype: auto`: bf16 only where the CPU computes it natively (issue 21 point 6)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from regen.config import load_profile
@@ -33,6 +34,7 @@ def test_the_local_profile_asks_for_auto():
     assert train.dtype == "auto" and train.target_dtype == "auto"
 
 
+@pytest.mark.integration
 def test_the_choice_is_in_the_summary_and_the_log(tiny_run, monkeypatch, caplog):
     monkeypatch.setattr(loop, "native_bf16", lambda cpuinfo=None: False)
     profile, run_dir = tiny_run

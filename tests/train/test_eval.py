@@ -71,6 +71,7 @@ def tiny_target_dir(tmp_path_factory):
     return d
 
 
+@pytest.mark.integration
 def test_regen_eval_end_to_end_on_a_tiny_target(tmp_path, tiny_target_dir, shard_writer):
     from train_helpers import make_rows
 
@@ -236,6 +237,7 @@ def test_target_as_its_own_draft_is_accepted_at_every_position(tiny_target_dir):
     assert s["acc_len"] == K + 1 and len(seq) == 4 + 1 + 16
 
 
+@pytest.mark.integration
 def test_regen_eval_at_temperature_is_seeded_and_keeps_greedy(tmp_path, tiny_target_dir, shard_writer):
     from train_helpers import make_rows
 

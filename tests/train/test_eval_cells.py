@@ -65,6 +65,7 @@ def _label_prompts(run, rows, labels):
     return {x.prompt_id: (x.length_band, x.mode) for x in records}
 
 
+@pytest.mark.integration
 def test_regen_eval_writes_the_breakdown_for_the_selections_labels(tmp_path, shard_writer, capsys):
     from train_helpers import make_rows, make_tiny_target
 

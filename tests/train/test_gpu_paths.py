@@ -132,6 +132,7 @@ def _loopback_only(cmd: list[str]) -> list[str]:
     return cmd
 
 
+@pytest.mark.integration
 def test_a_failure_on_one_rank_reaches_the_other_over_the_control_plane(tmp_path):
     """Point 8: rank 1 fails after 8 s (a producer timeout); rank 0 waits in the agreement. The hot plane's
     timeout is 3 s here: had the agreement gone over it, rank 0 would end with a gloo timeout, not rank 1's
@@ -586,6 +587,7 @@ def test_a_resume_does_not_depend_on_the_number_of_visible_gpus(monkeypatch):
     assert [int(t[0]) for t in restored] == [1, 5]
 
 
+@pytest.mark.integration
 def test_run_train_takes_its_timeouts_from_the_profile(tiny_run, monkeypatch):
     from regen.config import load_profile
     from regen.rundir import RunDir
@@ -623,6 +625,7 @@ def _assert_same(a: dict, b: dict):
             torch.testing.assert_close(a[part][k], b[part][k], msg=k)
 
 
+@pytest.mark.integration
 def test_a_sharded_checkpoint_resumes_two_ranks_to_one_and_back(dist_info, tmp_path):
     from sharded_driver import build, fake_step, full_state
 
@@ -641,6 +644,7 @@ def test_a_sharded_checkpoint_resumes_two_ranks_to_one_and_back(dist_info, tmp_p
 
 
 
+@pytest.mark.integration
 def test_a_nonfinite_shard_on_one_rank_stops_both_ranks_and_writes_nothing(tmp_path):
     """Each rank checks its own shards of the weights and the AdamW state before the sharded checkpoint; the verdict
     is agreed on the control plane, so rank 0 (whose shards are finite) refuses too."""

@@ -85,6 +85,7 @@ def test_the_evaluation_order_covers_the_cells_first():
     assert eval_order(prompts) == eval_order(list(reversed(prompts)))  # a function of the ids, not the input order
 
 
+@pytest.mark.integration
 def test_the_trainer_keeps_the_picks_out_and_eval_measures_them(tiny_run, tmp_path):
     from train_helpers import make_rows
 

@@ -14,6 +14,8 @@ from regen.config import load_profile
 from regen.rundir import RunDir
 from regen.train.loop import run_train
 
+pytestmark = pytest.mark.integration  # starts processes (docs/development.md)
+
 
 def _weights(run_dir):
     latest = json.loads((run_dir / "train" / "latest.json").read_text())

@@ -23,6 +23,8 @@ from regen.rundir import RunDir
 from regen.train.features.netns import loopback_only
 from regen.train.loop import run_train
 
+pytestmark = pytest.mark.integration  # starts processes (docs/development.md)
+
 HERE = Path(__file__).parent
 pytest.importorskip("mooncake.store", reason="the Mooncake store (bash scripts/setup.sh installs it)")
 if loopback_only(["true"]) is None:

@@ -29,6 +29,7 @@ def scalars(logdir) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
+@pytest.mark.integration
 def test_estimates_every_n_steps_keep_the_best_and_track_to_tensorboard(tiny_run, capsys):
     profile, run_dir = tiny_run
     cfg = train_cfg(profile, max_steps=6, heldout_fraction=0.3, eval_every=2, eval_rows=4, progress_interval_s=0.0001,
@@ -72,6 +73,7 @@ def test_estimates_every_n_steps_keep_the_best_and_track_to_tensorboard(tiny_run
     assert "train: step 6/6 (100%)" in out and "loss" in out and "steps/min" in out
 
 
+@pytest.mark.integration
 def test_tracking_refuses_a_backend_that_is_not_installed(tiny_run):
     profile, run_dir = tiny_run
     import importlib.util
@@ -84,6 +86,7 @@ def test_tracking_refuses_a_backend_that_is_not_installed(tiny_run):
     assert not (run_dir / "train" / "checkpoints").exists()  # refused before the first step
 
 
+@pytest.mark.integration
 def test_periodic_eval_needs_held_out_rows_and_in_process_features(tiny_run):
     profile, run_dir = tiny_run
     with pytest.raises(InputError, match="no held-out rows"):

@@ -33,6 +33,7 @@ def weights(run_dir) -> dict[str, torch.Tensor]:
     return load_file(str(run_dir / "train" / latest["path"] / "model.safetensors"))
 
 
+@pytest.mark.integration
 def test_train_writes_a_servable_checkpoint(tiny_run, tiny_target):
     from transformers import AutoModelForCausalLM
 
@@ -57,6 +58,7 @@ def test_train_writes_a_servable_checkpoint(tiny_run, tiny_target):
     assert [r["step"] for r in log] == [1, 2, 3, 4, 5, 6]
 
 
+@pytest.mark.integration
 def test_resume_sees_exactly_the_remaining_samples_and_ends_where_uninterrupted_does(tiny_run, tmp_path):
     profile, run_dir = tiny_run
     cfg = train_cfg(profile, max_steps=7, log_samples=True)
@@ -77,6 +79,7 @@ def test_resume_sees_exactly_the_remaining_samples_and_ends_where_uninterrupted_
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6, msg=k)
 
 
+@pytest.mark.integration
 def test_follow_trains_on_shards_appended_while_running(tmp_path, tiny_target):
     from train_helpers import ShardWriter, make_rows, write_profile
 
@@ -101,6 +104,7 @@ def test_follow_trains_on_shards_appended_while_running(tmp_path, tiny_target):
     assert s["steps"] < 1000  # ended on the finished marker, not the step budget
 
 
+@pytest.mark.integration
 def test_follow_needs_a_step_budget(tiny_run):
     from regen.errors import InputError
 
@@ -133,6 +137,7 @@ def test_kimi_k3_profile_builds_the_full_size_draft_on_meta():
     assert abs(counts["serving_without_embed"] - 3.56e9) < 0.01e9  # the 3.56B of the K3 MLA checkpoint (spec §2)
 
 
+@pytest.mark.integration
 def test_resume_with_another_rope_theta_is_an_input_error_naming_both(tiny_run):
     from regen.errors import InputError
 

@@ -62,6 +62,7 @@ def test_lr_1e30_stops_with_status_3_naming_step_rows_and_last_good_checkpoint(t
     assert not (run_dir / "train" / "summary.json").exists()
 
 
+@pytest.mark.integration
 def test_lr_1e30_without_any_checkpoint_says_so_in_process(tiny_run):
     profile, run_dir = tiny_run
     with pytest.raises(NonFiniteStep, match="no checkpoint was written before it"):
@@ -86,6 +87,7 @@ def test_divergence_monitor_warns_on_a_loss_far_above_its_recent_median():
     assert mon.observe(8, 2.0) is None
 
 
+@pytest.mark.integration
 def test_two_ranks_agree_to_stop_on_a_nonfinite_step(tiny_run, tmp_path):
     from test_parallel import _loopback_only
 
@@ -105,6 +107,7 @@ def test_two_ranks_agree_to_stop_on_a_nonfinite_step(tiny_run, tmp_path):
 
 # -- point 2: checkpoints you can trust --------------------------------------------------------------------------
 
+@pytest.mark.integration
 def test_each_step_folder_has_a_manifest_that_verifies(tiny_run):
     profile, run_dir = tiny_run
     run_train(train_cfg(profile, max_steps=4, checkpoint_every=2, keep_checkpoints=0), RunDir.at(run_dir))
@@ -120,6 +123,7 @@ def test_each_step_folder_has_a_manifest_that_verifies(tiny_run):
     assert not list((run_dir / "train" / "checkpoints").glob(".tmp-*"))
 
 
+@pytest.mark.integration
 def test_deleting_the_newest_checkpoint_resumes_from_the_previous_one_loudly(tiny_run, caplog):
     profile, run_dir = tiny_run
     cfg = train_cfg(profile, max_steps=6, checkpoint_every=4, keep_checkpoints=0, log_samples=True)
@@ -134,6 +138,7 @@ def test_deleting_the_newest_checkpoint_resumes_from_the_previous_one_loudly(tin
     assert lines == [1, 2, 3, 4, 5, 6, 5, 6]  # went on from step 4, not from step 1
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("fault", ["truncate", "flip", "delete"])
 def test_a_damaged_newest_checkpoint_is_never_loaded(tiny_run, caplog, fault):
     profile, run_dir = tiny_run
@@ -156,6 +161,7 @@ def test_a_damaged_newest_checkpoint_is_never_loaded(tiny_run, caplog, fault):
     assert s["steps"] == 5 and "RESUME FALLBACK" in caplog.text
 
 
+@pytest.mark.integration
 def test_no_intact_checkpoint_stops_listing_the_choices(tiny_run):
     profile, run_dir = tiny_run
     run_train(train_cfg(profile, max_steps=2, checkpoint_every=1, keep_checkpoints=0), RunDir.at(run_dir))
@@ -167,6 +173,7 @@ def test_no_intact_checkpoint_stops_listing_the_choices(tiny_run):
     assert "step-000001" in str(e.value) and "step-000002" in str(e.value)
 
 
+@pytest.mark.integration
 def test_pruning_follows_step_numbers_and_keeps_the_pointed_one(tiny_run):
     profile, run_dir = tiny_run
     ckpts = run_dir / "train" / "checkpoints"
@@ -180,6 +187,7 @@ def test_pruning_follows_step_numbers_and_keeps_the_pointed_one(tiny_run):
     assert s["steps"] == 4 and (ckpts / "step-000004").is_dir() and (ckpts / "step-000003").is_dir()
 
 
+@pytest.mark.integration
 def test_eval_and_export_refuse_a_damaged_or_nonfinite_checkpoint(tiny_run):
     from regen.serve.engines.draft import load_draft_checkpoint
     from safetensors.torch import save_file
@@ -201,6 +209,7 @@ def test_eval_and_export_refuse_a_damaged_or_nonfinite_checkpoint(tiny_run):
 
 # -- point 3: resume knows what it resumes -----------------------------------------------------------------------
 
+@pytest.mark.integration
 def test_resume_over_shards_rebuilt_from_other_rows_is_refused(tiny_run):
     from train_helpers import ShardWriter, make_rows
 
@@ -219,6 +228,7 @@ def test_resume_over_shards_rebuilt_from_other_rows_is_refused(tiny_run):
     assert json.loads((run_dir / "train" / "latest.json").read_text())["step"] == 4  # nothing was trained
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("setting,value,old", [("lr", 2e-3, "0.001"), ("weight_decay", 0.5, None),
                                                ("grad_accum", 2, None)])
 def test_resume_with_another_optimizer_or_batch_setting_is_refused_naming_both(tiny_run, setting, value, old):
@@ -235,6 +245,7 @@ def test_resume_with_another_optimizer_or_batch_setting_is_refused_naming_both(t
         assert f"--set train.{setting}={old}" in msg
 
 
+@pytest.mark.integration
 def test_resume_extending_max_steps_is_applied_and_reported(tiny_run, caplog):
     profile, run_dir = tiny_run
     run_train(train_cfg(profile, max_steps=3, checkpoint_every=3), RunDir.at(run_dir))
@@ -246,6 +257,7 @@ def test_resume_extending_max_steps_is_applied_and_reported(tiny_run, caplog):
     assert "resume changes total_steps: 3 -> 5" in caplog.text
 
 
+@pytest.mark.integration
 def test_resume_with_another_target_of_the_same_shape_is_refused(tiny_run, tmp_path):
     from train_helpers import make_tiny_target, write_profile
 
@@ -260,6 +272,7 @@ def test_resume_with_another_target_of_the_same_shape_is_refused(tiny_run, tmp_p
 
 # -- point 4: evaluation on held-out prompts only ----------------------------------------------------------------
 
+@pytest.mark.integration
 def test_eval_keeps_to_the_split_recorded_at_training_time(tiny_run, tmp_path):
     from safetensors.torch import save_file
 
@@ -307,6 +320,7 @@ def _torchrun(profile, run_dir, *sets):
     return subprocess.run(_loopback_only(cmd), env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.integration
 def test_rank_0_failing_to_write_a_checkpoint_stops_both_ranks(tiny_run):
     profile, run_dir = tiny_run
     (run_dir / "train").mkdir()
@@ -318,6 +332,7 @@ def test_rank_0_failing_to_write_a_checkpoint_stops_both_ranks(tiny_run):
     assert not (run_dir / "train" / "latest.json").exists() and not (run_dir / "train" / "summary.json").exists()
 
 
+@pytest.mark.integration
 def test_a_bad_row_on_one_rank_stops_both_ranks_naming_it(tmp_path, tiny_target):
     from train_helpers import ShardWriter, make_rows, write_profile
 
@@ -332,6 +347,7 @@ def test_a_bad_row_on_one_rank_stops_both_ranks_naming_it(tmp_path, tiny_target)
     assert "error: rank " in out  # the other rank stopped too, naming the failing rank and its message
 
 
+@pytest.mark.integration
 def test_a_fresh_start_never_overwrites_another_runs_step_folders(tiny_run, tmp_path):
     """A training directory holding another run's checkpoints (latest.json lost): never a silent fresh start."""
     from train_helpers import ShardWriter, make_rows
@@ -351,6 +367,7 @@ def test_a_fresh_start_never_overwrites_another_runs_step_folders(tiny_run, tmp_
     assert after == before
 
 
+@pytest.mark.integration
 def test_two_ranks_to_one_and_back_to_two_resume_the_sharded_state_exactly(tiny_run, tmp_path):
     """`regen train` resumed 2 ranks -> 1 -> 2 (the same global batch; the sharded state resharded by DCP each
     time) ends where an uninterrupted run on 2 ranks ends: weights and AdamW moments."""
@@ -406,6 +423,7 @@ def test_two_ranks_to_one_and_back_to_two_resume_the_sharded_state_exactly(tiny_
                                        msg=f"{name}.{m}")
 
 
+@pytest.mark.integration
 def test_resume_with_another_tokenizer_of_the_same_vocabulary_is_refused(tiny_run, tiny_target, tmp_path):
     from train_helpers import write_profile
 

@@ -29,8 +29,17 @@ def _has_vllm() -> bool:
     return subprocess.run([VLLM_PYTHON, "-c", "import vllm"], capture_output=True, timeout=300).returncode == 0
 
 
-needs_vllm = pytest.mark.skipif(not _has_vllm(), reason=f"no vLLM venv at {VLLM_PYTHON} (build it with "
-                                "`REGEN_VLLM=1 bash scripts/setup.sh`, or set REGEN_VLLM_PYTHON)")
+@pytest.fixture(scope="session")
+def vllm_venv() -> str:
+    """VLLM_PYTHON, or a skip saying how to build it. A fixture, not a skipif: importing vLLM takes 10-60 s on 2
+    cores, paid only when a test that needs it runs (not at every collection, e.g. the quick tier's)."""
+    if not _has_vllm():
+        pytest.skip(f"no vLLM venv at {VLLM_PYTHON} (build it with `REGEN_VLLM=1 bash scripts/setup.sh`, or set "
+                    "REGEN_VLLM_PYTHON)")
+    return VLLM_PYTHON
+
+
+needs_vllm = pytest.mark.usefixtures("vllm_venv")
 
 # Tolerance of vLLM's CPU kernels against transformers' in fp32, relative to each token's state norm: see
 # test_vllm_features_equal_transformers_and_train_through_the_dispatcher.
@@ -73,6 +82,7 @@ def test_vllm_producer_refuses_what_it_cannot_produce_before_starting_a_server(t
         prod.close()
 
 
+@pytest.mark.integration
 def test_an_unreachable_dispatcher_is_a_clear_error():
     proc = subprocess.run([sys.executable, "-m", "regen.cli", "features", "produce-vllm", "--dispatcher",
                            "http://127.0.0.1:9", "--connect-timeout-s", "0.5"], capture_output=True, text=True,
@@ -80,6 +90,7 @@ def test_an_unreachable_dispatcher_is_a_clear_error():
     assert proc.returncode == 2 and "did not answer" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.integration
 @needs_vllm
 def test_connector_reads_the_states_where_vllms_cache_writer_put_them(tmp_path):
     """Worker side, no server: vLLM's own `basic_cache` writes states into a hidden-state KV cache; the connector's
@@ -126,6 +137,7 @@ def test_connector_reads_the_states_where_vllms_cache_writer_put_them(tmp_path):
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
 
 
+@pytest.mark.integration
 @needs_vllm
 def test_vllm_features_equal_transformers_and_train_through_the_dispatcher(tmp_path):
     """One vLLM server (extract_hidden_states + regen's connector) on SmolLM2-135M in fp32, in a private network

@@ -32,6 +32,7 @@ def _second_run(tmp_path):
     return tmp_path / "run2"
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("attention", ["mla", "gqa"])
 def test_training_starts_from_a_step_folder_and_from_the_engines_folder(tiny_run, tmp_path, attention):
     from regen.serve.engines import export_draft
@@ -66,6 +67,7 @@ def test_training_starts_from_a_step_folder_and_from_the_engines_folder(tiny_run
     assert scratch["steps"] == 1
 
 
+@pytest.mark.integration
 def test_every_mismatch_with_the_profile_is_one_line(tiny_run):
     profile, run_dir = tiny_run
     first = run_train(train_cfg(profile, max_steps=1, checkpoint_every=0), RunDir.at(run_dir))
@@ -84,6 +86,7 @@ def test_every_mismatch_with_the_profile_is_one_line(tiny_run):
     assert not (run_dir / "other" / "checkpoints").exists()  # refused before a step
 
 
+@pytest.mark.integration
 def test_a_missing_or_foreign_folder_is_a_clear_error(tiny_run, tmp_path):
     profile, run_dir = tiny_run
     with pytest.raises(InputError, match="no draft there"):
@@ -98,6 +101,7 @@ def test_a_missing_or_foreign_folder_is_a_clear_error(tiny_run, tmp_path):
         run_train(train_cfg(profile, max_steps=1, init_from=str(foreign)), RunDir.at(run_dir))
 
 
+@pytest.mark.integration
 def test_the_runs_own_checkpoint_wins_on_resume(tiny_run, tmp_path, caplog):
     profile, run_dir = tiny_run
     first = run_train(train_cfg(profile, max_steps=2, checkpoint_every=0), RunDir.at(run_dir))
