@@ -21,7 +21,9 @@ Modules, in reading order:
     eval.py          acc_len against the target on held-out prompts (spec §7), greedy and at --temperature
     eval_cells.py    acc_len per category x length band x mode, per round and per request, per position
     sampling.py      speculative rejection sampling: temperature / top-p, residual, the verification rule
+    preflight.py     `check(cfg, rep)`: before a run, the target, the draft it builds, features, warm start, tracking
 
 Entry points: `regen.train.loop.run_train(cfg: TrainConfig, run: RunDir)`, `regen.train.eval.run_eval(...)`;
 CLI `regen train`, `regen eval`; `python -m regen.train` / `torchrun ... -m regen.train -- ...`.
+Its check before a run: `regen.train.preflight.check(cfg, rep)` (returns the draft config it will train).
 """
