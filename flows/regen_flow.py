@@ -190,5 +190,6 @@ def regen(profile: str = "local", run_dir: str = "runs/local", overrides: dict[s
         out[step.name] = tasks[step.name]()
     return out
 
+
 if __name__ == "__main__":
     regen()
