@@ -256,7 +256,7 @@ def _prepare_locked(gen_dir: Path, repair: bool, retry_classes) -> dict:
 
 def complete(cfg: GenerateConfig, run: RunDir, *, verify_parts: bool = False) -> dict | None:
     """What "complete" means: the generations manifest when `run_generate(cfg, run)` would return it without a
-    request, else None. True of a manifest marked complete with this request config (`config_hash`), no journal
+    request, else None: a manifest marked complete with this request config (`config_hash`), no journal
     (rows not yet in a part), no retry prepared (`retry.json`), and accounting from disk that balances with the
     manifest's row count. `verify_parts`: first check every listed part's sha256 (`ledger.check_parts`: raises
     InputError on a damaged part). Callers that must not start a server for nothing ask it first."""

@@ -56,7 +56,8 @@ def check(cfg, engines, rep) -> None:
                 + "; ".join(r.line() for rs in refused.values() for r in rs))
     elif not any(refused[name] for name in engines):
         others = [n for n in refused if n not in serves]
-        rep.ok(f"train: the draft will load in {', '.join(serves)}" + (f" (not in {', '.join(others)})" if others else ""))
+        rep.ok(f"train: the draft will load in {', '.join(serves)}"
+               + (f" (not in {', '.join(others)})" if others else ""))
 
 
 def export_draft(draft: str | Path, engine: str, out: str | Path, *, target_gguf: str | Path | None = None,
