@@ -16,7 +16,7 @@ peak RSS (ru_maxrss) are its own. Clients, at the same concurrency:
 Printed per client and mode (stream / non-stream): requests/s, output tokens ingested per second per client
 CPU core (tokens / client CPU seconds), CPU ms per request, peak RSS; then the ratios regen / baseline.
 A last pass holds M requests in flight (the server waits 2 s before answering) and reports peak RSS.
-Goals (issue 3): regen >= baseline req/s with durability on; >= 50,000 streamed tokens/s/core; < 1.5 GiB RSS
+Goals: regen >= baseline req/s with durability on; >= 50,000 streamed tokens/s/core; < 1.5 GiB RSS
 at 4,096 in flight.
 """
 from __future__ import annotations

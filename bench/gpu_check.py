@@ -448,7 +448,7 @@ def section_attention(args, device) -> dict:
                 results[name] = {"error": f"{type(exc).__name__}: {str(exc)[:500]}"}
                 ok &= name != "efficient"
         out[f"S={S} L={L} (L%128={L % 128})"] = results
-        del q, k, v, dout, dense
+        del q, k, v, dout  # (the mask is rebound by the next length)
     out["ok"] = ok
     return out
 

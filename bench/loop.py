@@ -1,5 +1,5 @@
 """Benchmark: one round of the data loop aimed at the weakest cells against the same extra units spread by the fixed
-mix (issue 28, point 4), on held-out prompts of every cell, for each seed.
+mix, on held-out prompts of every cell, for each seed.
 
     .venv/bin/python bench/loop.py --run runs/local --budget-units 120 [--seeds 0,1] [--train-steps 750]
                                    [--profile local] [--out bench/out/loop]

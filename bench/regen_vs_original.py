@@ -1,7 +1,7 @@
 """Regenerated vs original answers: does training on the target's own answers give a longer acceptance?
 
     .venv/bin/python bench/regen_vs_original.py --run runs/local                 # after the README's first command
-    .venv/bin/python bench/regen_vs_original.py --run runs/local --seeds 0,1     # the issue's two seeds
+    .venv/bin/python bench/regen_vs_original.py --run runs/local --seeds 0,1     # the benchmark's two seeds
     .venv/bin/python bench/regen_vs_original.py --run runs/local --quick         # a few steps, a few prompts
     .venv/bin/python bench/regen_vs_original.py --run runs/local --seeds 0,1 --temperature 1.0  # + the paper's T=1
 
@@ -194,7 +194,7 @@ def main(argv=None) -> int:
 
 
 ARM_KEYS = {"regenerated": "trained", "original": "original", "untrained": "untrained"}  # arm: run_eval's name
-SUMMARY_ARMS = ("untrained", "original", "regenerated")  # the order of the issue's JSON
+SUMMARY_ARMS = ("untrained", "original", "regenerated")  # the order of the summary JSON
 
 
 def arm_figures(ev: dict) -> dict:

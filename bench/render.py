@@ -17,7 +17,7 @@ the machine is shared):
             sorting, checkpoints, manifest), response filters off, then with the default filters (reported, not
             in the ratio)
 With `--renderer hf` the baseline is the Hugging Face tokenizer's own encoding of the rendered text.
-Ratio = render tokens/s / baseline tokens/s (goal >= 0.7, issue #4).
+Ratio = render tokens/s / baseline tokens/s (goal >= 0.7).
 """
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ then run `auto` (the same client with `ConcurrencyController` per endpoint) for 
                  --only-embedded runs only it
 
 Printed per run: output tokens/s, p50 latency (s), requests; then per target the ratios auto / best fixed.
-Goals (issue 13): auto >= 0.95x the best fixed concurrency's tokens/s with p50 latency <= 1.5x its p50.
+Goals: auto >= 0.95x the best fixed concurrency's tokens/s with p50 latency <= 1.5x its p50.
 Measured over the whole S seconds for every run (auto's ramp from `concurrency.initial` included; the goals are
 judged on these), and again, by the same rule for every arm, over the answers that ended in the second half of each
 run (`second_half`: the best fixed level is chosen again there), which separates the ramp from the steady state.
@@ -105,7 +105,7 @@ def figures(done: list[tuple[float, int, float]], start: float, end: float) -> d
 
 
 def ratios_of(name: str, rows: list[dict], auto: dict) -> dict:
-    """auto / the best fixed level (most tokens/s) under one measurement rule; the goals of issue 13."""
+    """auto / the best fixed level (most tokens/s) under one measurement rule; the goals in this module's docstring."""
     best = max(rows, key=lambda r: r["tok_s"])
     out = {"target": name, "best_fixed": best["concurrency"], "best_tok_s": best["tok_s"], "auto_tok_s": auto["tok_s"],
            "tok_s_ratio": round(auto["tok_s"] / best["tok_s"], 3) if best["tok_s"] else None,

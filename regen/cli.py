@@ -22,11 +22,13 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("regen.train.loop", "train a DSpark draft on the shards with online target hidden states"),
     "features": ("regen.train.features.cli", "feature producers, a store node, a pool's status (train.features: "
                  "producers)"),
-    "eval": ("regen.train.eval", "measure a draft's acc_len against the target"),
+    "eval": ("regen.train.eval_cli", "measure a draft's acc_len against the target"),
     "export-draft": ("regen.serve.engines.cli", "a trained draft in a serving engine's layout, with its launch "
                      "(TokenSpeed, vLLM, SGLang, llama.cpp)"),
     "engine-eval": ("regen.serve.engines.spec_eval", "serve the trained draft through llama.cpp beside the embedded "
                     "target and read its acceptance from the engine's counters (the round trip)"),
+    "rehearse": ("regen.report.rehearse", "one training step of a profile at its real size on fake tensors: memory "
+                 "per rank against the plan, host syncs, collectives, device placement"),
     "plan": ("regen.plan", "a dry run: requests, tokens, server-hours, shard bytes, GPU memory of a profile"),
     "run": ("regen.pipeline", "the main job: every stage of a profile in order, resumable"),
     "query": ("regen.report.query", "run DuckDB SQL over the run's views (prompts, rejected, generations, ...)"),

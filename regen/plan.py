@@ -1,4 +1,4 @@
-"""`regen plan`: what a profile's run will cost, before it is run (issue 13, point 1). A dry run.
+"""`regen plan`: what a profile's run will cost, before it is run. A dry run.
 
     regen plan --profile P --run DIR [--pilot N] [--sample N] [--servers N --server-tokens-per-s X
                --world-size W --mfu M --gpu-tflops T --output-tokens K]

@@ -19,7 +19,7 @@ DEFAULT_POLICIES = {
     "reasoning_leak": "keep_flagged",
     "unbalanced_think": "retry",
     "invalid_tool_args": "retry",
-    # issue 20: answers that must never become training data as they are
+    # answers that must never become training data as they are
     "content_filter": "drop",  # the server's filter stopped the answer; a retry rarely differs
     "unfinished": "retry",  # finish_reason outside the allow-list (abort, null, ...): a partial answer
     "text_after_end": "retry",  # text after the end-of-turn marker: a new sample usually stops

@@ -191,7 +191,7 @@ class TrainConfig(BaseModel):
     eval_prompts: int = Field(0, description="`regen run`: held-out prompts to measure acc_len on after training; "
                               "0 = no eval step")
     eval_max_new_tokens: int = Field(64, description="`regen run`'s eval: new tokens per prompt")
-    # during training (issue 28): the held-out estimate, the best checkpoint, tracking, warm start
+    # during training: the held-out estimate, the best checkpoint, tracking, warm start
     eval_every: int = Field(0, ge=0, description="steps between held-out acc_len estimates during training "
                             "(`regen.train.periodic_eval`: teacher-forced on held-out rows' recorded answers, "
                             "labelled an estimate); 0 = none")

@@ -167,7 +167,7 @@ class ProgressLine:
     On a terminal with `enabled`, a rich progress bar. Anywhere else (stdout sent to a file, `--no-progress`, a
     Prefect task, whose printed lines go to the flow run's logs) a plain line every `interval_s` seconds
     (`generate.progress_interval_s`; 0 = none) and one at the end: a bar draws nothing where nobody watches a
-    terminal (issue 28: a main job sent to a file printed nothing for 45 minutes)."""
+    terminal (a main job sent to a file printed nothing for 45 minutes)."""
 
     def __init__(self, total: int, done: int, enabled: bool = True, interval_s: float = 0.0, out=None,
                  terminal: bool | None = None):

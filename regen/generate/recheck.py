@@ -1,6 +1,6 @@
 """`regen generate --recheck`: judge the `ok` rows a run already holds by the checks and policies it has now.
 
-Runs made before a check existed hold rows it would have refused (issue 20: a finish_reason "abort" stored as a
+Runs made before a check existed hold rows it would have refused (a finish_reason "abort" stored as a
 finished answer, text after the end-of-turn marker, usage that contradicts itself). `recheck` rebuilds each `ok`
 row's completion from the row (content, reasoning, tool calls, finish_reason, token counts and ids) and judges it
 as the runner judges a fresh answer (`regen.generate.checks.judge`, the profile's policies, end-of-turn markers

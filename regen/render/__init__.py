@@ -4,7 +4,7 @@ In:  generation rows (read through `schemas.generation`), the target's tokenizer
 Out: token shards with `input_ids` and an assistant-only `loss_mask`, `shards/manifest.json` stating the
      training contract (tokenizer hash, renderer, max length, mask policy), `rejected/render/`.
 
-A sample's ids (issue #11 point 4): the prompt ids exactly as the target saw them, then the answer's ids, turn by
+A sample's ids: the prompt ids exactly as the target saw them, then the answer's ids, turn by
 turn. Prompt = the generation prompt (`messages[:k]` + `add_generation_prompt=True`) rendered and tokenized alone,
 or the server's `prompt_token_ids`; answer = its text tokenized alone, or the server's `completion_token_ids`;
 then the template's closing tail. No token straddles a prompt/answer boundary (`Renderer.render(...,

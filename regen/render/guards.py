@@ -1,4 +1,4 @@
-"""Render's guards: text that must not become supervised tokens (issue 20 points 2 and 3). Used by `regen.render.rows`.
+"""Render's guards: text that must not become supervised tokens. Used by `regen.render.rows`.
 
 * Text after the end of the turn (SGLang #31599, vLLM PR #47616): the generated answer holds the renderer's
   end-of-turn text (hf: the answer's closing special token and EOS, e.g. `<|im_end|>`) with more text after it.

@@ -4,7 +4,7 @@ tokens the target generated.
 Loaded offline from a local directory with `tokenizer.json`/`tokenizer_config.json` (and optionally
 `chat_template.jinja`) through `transformers.AutoTokenizer`.
 
-Turn by turn (issue #11 point 4). For each assistant message at index k, `pre` = `messages[:k]` rendered with
+Turn by turn, so the prompt ids are the ones the target read. For each assistant message at index k, `pre` = `messages[:k]` rendered with
 `add_generation_prompt=True` (the prompt the target read) and `messages[:k+1]` without it must each be a prefix of
 the next and of the whole conversation; the answer is the text from `len(pre)` to its end. A template that rewrites
 history (e.g. drops earlier reasoning) is not prefix-stable: `TemplateNotPrefixStable` names the message and the
@@ -25,7 +25,7 @@ and with `last_only=True` the prompt before the last answer is one piece: the ge
 an OpenAI-compatible server tokenizes it.
 
 `mask="auto"` uses the markers when the template has them, else prefixes.
-Source: transformers `apply_chat_template` (chat templating docs, "assistant_masks"); issue #4 point 3.
+Source: transformers `apply_chat_template` (chat templating docs, "assistant_masks").
 """
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ class HFTemplateRenderer:
     """
 
     name = "hf"
-    version = "2"  # 2: prompt and answer tokenized apart at the generation prompt (issue #11 point 4)
+    version = "2"  # 2: prompt and answer tokenized apart at the generation prompt
 
     def __init__(self, path: str | os.PathLike, mask: str = "auto"):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -179,7 +179,7 @@ class HFTemplateRenderer:
 
     def _render_turns(self, messages, tools, kwargs: dict, full: str, last_only: bool,
                       blocks: list[tuple[int, int]] | None) -> Rendered:
-        """Turn by turn (issue #11 point 4): for each assistant message k, `pre` = messages[:k] rendered alone
+        """Turn by turn: for each assistant message k, `pre` = messages[:k] rendered alone
         with the generation prompt (what the target read) must be a prefix of the conversation; the answer
         starts at `len(pre)` and ends at its `{% generation %}` block's end (`blocks`) or its last special token.
         Ids: the text tokenized piece by piece at those cuts, so no token straddles a prompt/answer boundary."""

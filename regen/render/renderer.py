@@ -4,7 +4,7 @@ A renderer turns OpenAI-style `messages` (+ `tools` and the template's keyword a
 for each assistant message, the half-open token span the target generated for it (the supervised span under the
 default policy). The loss mask is built from those spans, never by re-encoding text.
 
-Ids are built turn by turn (issue #11 point 4): for each assistant message k, the ids before its span equal
+Ids are built turn by turn: for each assistant message k, the ids before its span equal
 `render(messages[:k], add_generation_prompt=True).input_ids` (the prompt the target read, tokenized without the
 answer), and the span holds the answer tokenized on its own, so no token straddles the boundary. With
 `last_only=True` (a training row) only the last assistant message gets a span and the prompt before it is the

@@ -8,7 +8,7 @@ stdout: JSON `{"text", "ids", "loss_mask"}` (`ids`: int token ids, `loss_mask`: 
 turn supervised); `--pretty`: the text with supervised spans between ⟦ ⟧ (green on a terminal) and a summary;
 `--tokens`: one line per token (position, id, mask, text).
 
-Input policy (issue #11 points 6, 14): stdin must be UTF-8 JSON whose strings hold characters only. Invalid UTF-8,
+Input policy: stdin must be UTF-8 JSON whose strings hold characters only. Invalid UTF-8,
 a lone surrogate (`"\ud800"`), a C0 control character other than tab, LF and CR, or DEL (NUL included, raw or
 escaped; the select filter's rule, `filters.prompt.CONTROL_CHARS`), or nesting deeper than MAX_DEPTH levels is
 an InputError naming the place (line/column, or the JSON path such as `messages[0].content`): exit 2 with a

@@ -12,7 +12,7 @@ Reads the generation parts listed in `generations/manifest.json` (else `generati
    (checks, renderer, server ids, limits) into `shards/shard-*.parquet` (`regen.render.shards`). Row rejects go to
    `rejected/render/part-render-NNNNN.parquet`, one part per checkpoint.
 
-Unfinished generation (issue #11 point 11): `run_render` first checks that the generate stage finished
+Unfinished generation: `run_render` first checks that the generate stage finished
 (`generation_status`): `generations/manifest.json` exists with `complete: true` and a balanced `accounting`
 (every (prompt, turn) unit has exactly one row: no missing, duplicate or stray row), and no journal holds rows
 not yet in a part. Otherwise it raises InputError naming what is missing and how to proceed (rerun
@@ -75,7 +75,7 @@ def make_renderer(cfg: RenderConfig):
 
 
 def prompt_control_tokens(cfg: RenderConfig) -> tuple[str, ...]:
-    """The strings the select stage rejects in prompt text for this render config (issue 20 point 3): the ones the
+    """The strings the select stage rejects in prompt text for this render config (so no request is sent for such a prompt): the ones the
     renderer's tokenizer would parse as control tokens wherever they stand (`Renderer.text_control_tokens`: an hf
     tokenizer's special tokens, e.g. `<|im_end|>`), under `render.control_tokens: reject`. () for `keep` and for
     kimi-k3 (it encodes message text as text; nothing is loaded then). Raises InputError when the hf tokenizer
@@ -92,7 +92,7 @@ def sample_prompt_side(renderer, messages: list[dict], tools: list[dict] | None 
 
     prompt-side = the row's num_tokens - num_loss_tokens: the generation prompt of `messages` tokenized alone plus
     the template's closing tail after the answer (`rows.RowRenderer.sample`, `render(..., last_only=True)`; the
-    answer's own ids never change these, issue #11 point 4). history = the supervised-span tokens of the assistant
+    answer's own ids never change these). history = the supervised-span tokens of the assistant
     messages inside `messages` (a full render's `assistant_spans`): the part a regenerated history replaces; 0
     where the template does not render that history prefix-stably. Raises ValueError when `messages` do not render.
     """

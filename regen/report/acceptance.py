@@ -1,4 +1,4 @@
-"""The report's acceptance plots (issue 28): where the draft is weak, and how it got there.
+"""The report's acceptance plots: where the draft is weak, and how it got there.
 
   acc_len_cells        acc_len of the trained draft per category x length band x mode, per round and per request,
                        the untrained draft's per-round figure beside it      <run>/eval.json `breakdown`

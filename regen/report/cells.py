@@ -1,5 +1,5 @@
 """The mix's cells in a plan: `regen plan`'s count of prompts and units per input-length band x generation mode
-(`select.length_bands`, `select.modes`; issue 28), and the assumed output tokens of each mode.
+(`select.length_bands`, `select.modes`), and the assumed output tokens of each mode.
 
 A mode's units are assumed to produce `plan.mode_output_factor[mode]` x their category's `plan.output_tokens`
 (1.0 for a mode left out): thinking off answers are shorter than thinking at maximum effort. Like every `plan:`

@@ -1,4 +1,4 @@
-"""The next selection (issue 28, point 4): more prompts where the draft's acceptance is lowest, within a stated
+"""The next selection: more prompts where the draft's acceptance is lowest, within a stated
 budget of new generation units, drawn from the pool's prompts not yet used; the reasoning written down.
 
     regen select --profile P --run R --aim R/eval.json --budget-units N [--policy weakest|mix]

@@ -57,7 +57,7 @@ def configure(cfg, index: ContaminationIndex | None, control_tokens=()) -> None:
 
     `control_tokens`: the strings the renderer would parse as control tokens in prompt text
     (`regen.render.stage.prompt_control_tokens`); when any, the filter `control_tokens` runs after the configured
-    ones (issue 20 point 3: such a prompt is rejected before any request is sent for it)."""
+    ones (such a prompt is rejected before any request is sent for it)."""
     filters = []
     for name in cfg.filters:
         if name in STATEFUL:

@@ -1,8 +1,7 @@
 """One conversation of a prompt pool row being built: call ids unique within it, every tool result linked to its call.
 
 Used by `regen.select.shapes` for every conversation shape (ShareGPT, OpenAI messages, BFCL, Kimi markers).
-Tool results link to calls by the result's own id, else by its own function name, else in order (issue 20 point
-8: two results in the other order than their calls, named, answered the wrong calls before).
+Tool results link to calls by the result's own id, else by its own function name, else in order (two results in the other order than their calls, named, answered the wrong calls before).
 """
 from __future__ import annotations
 
@@ -103,7 +102,7 @@ class Conversation:
     def _link(self, results, pending: list[dict], where: str) -> list[dict]:
         """The call each result answers: by the result's id; else by its function name (in order among the
         pending calls of that name); else the first call left, in order. A result whose id or name matches no
-        pending call, or whose name contradicts the call its id names, raises RowError (issue 20 point 8: a
+        pending call, or whose name contradicts the call its id names, raises RowError (a
         result linked by position alone would answer the wrong call)."""
         free = list(pending)
         linked: list[dict | None] = [None] * len(results)

@@ -262,7 +262,7 @@ def _csv_rows(path: str) -> list[dict]:
 
 
 def _unique_columns(path: str, names: list[str], what: str) -> None:
-    """BadFile for a column name given twice (a row dict would keep only the last column: issue 20 point 9)."""
+    """BadFile for a column name given twice (a row dict would keep only the last column, silently)."""
     seen: dict[str, int] = {}
     for i, n in enumerate(names):
         if n in seen:

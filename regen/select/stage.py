@@ -151,7 +151,7 @@ def config_hash(cfg: SelectConfig, seed: int, extra: list[str], files: list[tupl
     """Hash of what determines the selection: the select config, the seed, extra sources and the input files
     (path, size, mtime_ns), so a changed pool path or file is never mistaken for a finished run; and the
     renderer's control tokens when there are any (without them the hash is the one selections made before
-    issue 20 have, so those resume)."""
+    that check existed have, so those resume)."""
     payload = {"select": cfg.model_dump(), "seed": seed, "extra": extra, "files": [list(f) for f in files]}
     if control_tokens:
         payload["control_tokens"] = tokens_digest(control_tokens)

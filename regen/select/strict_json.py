@@ -1,4 +1,4 @@
-"""JSON that refuses duplicate keys, at any depth (issue 20 point 9).
+"""JSON that refuses duplicate keys, at any depth (a plain parser keeps only the last value, silently).
 
 RFC 8259 §4 leaves duplicate names undefined and Python's `json` keeps the last value: `{"prompt": "first",
 "prompt": "second"}` becomes "second" and "first" disappears without a word. A prompt pool row holding one is a

@@ -19,8 +19,10 @@ Modules, in reading order:
     tracking.py      figures to TensorBoard (W&B, MLflow where asked), the run's configuration, progress lines
     periodic_eval.py the held-out estimate every N steps, the best checkpoint, the loop's hooks
     eval.py          acc_len against the target on held-out prompts (spec §7), greedy and at --temperature
+    eval_cli.py      `regen eval`'s flags, summary and tables
     eval_cells.py    acc_len per category x length band x mode, per round and per request, per position
     sampling.py      speculative rejection sampling: temperature / top-p, residual, the verification rule
+    verification.py  the served protocols: probabilistic / greedy drafting x token-level / block verification
     preflight.py     `check(cfg, rep)`: before a run, the target, the draft it builds, features, warm start, tracking
 
 Entry points: `regen.train.loop.run_train(cfg: TrainConfig, run: RunDir)`, `regen.train.eval.run_eval(...)`;

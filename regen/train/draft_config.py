@@ -137,7 +137,7 @@ class DSparkConfig:
         d["eos_token_id"] = list(self.eos_token_id)
         d["num_target_layers"] = self.num_target_layers
         d["rope_theta"] = self.rope_theta  # top level too: serving code that reads `config.rope_theta` (vLLM's
-        # DeepSeek-V2/V3 path) would otherwise fall back to 10,000 (issue 14)
+        # DeepSeek-V2/V3 path) would otherwise fall back to 10,000
         d["regen_note"] = ("a regen trainer folder, not a serving checkpoint: serve it with the folder `regen "
                            "export-draft --engine ENGINE --draft THIS_FOLDER` writes (docs/serve.md)")
         return d
@@ -173,7 +173,7 @@ class DSparkConfig:
 def check_rope_theta(cfg: DSparkConfig, expected: float | None, *, checkpoint: str, expected_from: str) -> None:
     """Raise InputError when the checkpoint's RoPE base differs from the one `expected_from` (a profile's
     `train.rope_theta`, a serving config) expects; `expected` None checks nothing. Part of the serving contract:
-    a draft served at another θ than it was trained at loses acceptance silently (issue 14)."""
+    a draft served at another θ than it was trained at loses acceptance silently."""
     from regen.errors import InputError
 
     if expected is not None and float(expected) != cfg.rope_theta:

@@ -24,6 +24,10 @@ The first token is drawn from the prefill at T and not counted; τ and accept_ra
 from one `torch.Generator` per prompt seeded by (seed, prompt_id): a run is reproducible, and every draft
 meets the same random stream on a prompt.
 
+Served protocols (`regen.train.verification`, `run_eval(methods=...)`): the same sampled generation with greedy
+drafting (q one-hot on the draft's argmax) and/or block verification (Sun et al. 2024) in place of the token-level
+rule, each on the same random streams, under `served` in eval.json.
+
 Held-out prompts: `regen.train.heldout.HeldoutSplit` (a sha256 bucket of the prompt id, `is_heldout`, and per-cell
 picks so every cell of the selection is measured); the trainer's feed drops the same prompts (`regen.train.feed`),
 so evaluation never sees a trained-on prompt. The prompt of a shard row
@@ -36,7 +40,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from regen.train.eval_cells import breakdown, format_cells, prompt_labels
+from regen.train.eval_cells import breakdown, prompt_labels
 from regen.train.heldout import HELDOUT_BUCKETS, is_heldout  # noqa: F401 (the bucket rule's public home was here)
 
 
@@ -256,14 +260,17 @@ class TargetSession:
 
 
 def sampled_rounds(propose, session, prompt_ids: list[int], *, max_new_tokens: int, temperature: float,
-                   top_p: float, stop_ids, generator) -> tuple[list[Round], list[int]]:
+                   top_p: float, stop_ids, generator, verify=None) -> tuple[list[Round], list[int]]:
     """Speculative sampling of one generation (module docstring): (rounds, prompt + generated token ids).
 
     propose(anchor_pos, ids) -> (draft tokens list[int], q float[k, V]: the distribution each was drawn from),
     with the committed features in `session.taps` (positions < anchor_pos); session: a `TargetSession` (or any
     object with its prefill / verify / keep). Stops at a stop token or after `max_new_tokens` generated tokens.
+    verify: the round's rule (`regen.train.verification.verifier`; default token-level `verify_sampled`).
     """
     from regen.train.sampling import draw, sampling_probs, verify_sampled
+
+    verify = verify or verify_sampled
 
     stop = set(int(t) for t in stop_ids)
     P = len(prompt_ids)
@@ -275,7 +282,7 @@ def sampled_rounds(propose, session, prompt_ids: list[int], *, max_new_tokens: i
     while pos - P < max_new_tokens:
         drafts, q = propose(pos, seq)
         p = sampling_probs(session.verify([seq[pos], *drafts]), temperature, top_p)
-        v = verify_sampled(drafts, q, p, stop, generator)
+        v = verify(drafts, q, p, stop, generator)
         rounds.append(Round(v.accepted, v.tau, v.proposed, v.stopped))
         session.keep(pos + v.accepted + 1)  # the anchor and the accepted drafts are committed
         seq = seq[: pos + 1] + list(drafts[: v.accepted]) + ([v.bonus] if v.bonus is not None else [])
@@ -287,13 +294,21 @@ def sampled_rounds(propose, session, prompt_ids: list[int], *, max_new_tokens: i
 
 def evaluate_sampled(target, drafts: dict, prompts: list[dict], *, max_new_tokens: int, stop_ids,
                      temperature: float, top_p: float = 1.0, seed: int = 0, confidence_threshold: float = 0.0,
-                     progress: bool = False) -> dict:
+                     progress: bool = False, draft_sample_method: str = "probabilistic",
+                     rejection_sample_method: str = "standard") -> dict:
     """acc_len of each draft under rejection sampling at (temperature, top_p); same result shape as `evaluate`.
 
     Each (prompt, draft) generation draws from a generator seeded by (seed, prompt_id). A block is cut before
-    the first slot with confidence < `confidence_threshold` (spec §4), its q rows with it.
+    the first slot with confidence < `confidence_threshold` (spec §4), its q rows with it. The served protocol
+    (`regen.train.verification`): draft_sample_method "probabilistic" (drafts drawn at T) or "greedy" (the
+    draft's argmax, q one-hot); rejection_sample_method "standard" (token-level) or "block" (Sun et al. 2024).
     """
     import torch
+
+    from regen.train.verification import verifier
+
+    verify = verifier(rejection_sample_method)
+    draft_t = temperature if draft_sample_method == "probabilistic" else 0.0  # greedy drafting: q one-hot
 
     rounds = {name: {} for name in drafts}
     requests = {name: [] for name in drafts}  # (prompt, its rounds): the per-cell breakdown (eval_cells)
@@ -306,13 +321,14 @@ def evaluate_sampled(target, drafts: dict, prompts: list[dict], *, max_new_token
 
             def propose(pos, seq, draft=draft, session=session, gen=gen):
                 toks, conf, q = draft.propose(session.taps.to(next(draft.parameters()).device), seq[pos], pos,
-                                              temperature=temperature, top_p=top_p, generator=gen,
+                                              temperature=draft_t, top_p=top_p, generator=gen,
                                               return_probs=True)
                 cut = next((k for k, c in enumerate(conf.tolist()) if c < confidence_threshold), len(toks))
                 return toks[:cut].tolist(), q[:cut].to(target.device)
 
             r, seq = sampled_rounds(propose, session, p["prompt_ids"], max_new_tokens=max_new_tokens,
-                                    temperature=temperature, top_p=top_p, stop_ids=stop_ids, generator=gen)
+                                    temperature=temperature, top_p=top_p, stop_ids=stop_ids, generator=gen,
+                                    verify=verify)
             rounds[name].setdefault(p["category"], []).extend(r)
             requests[name].append((p, r))
         if progress:
@@ -358,10 +374,26 @@ def evaluate(target, drafts: dict, prompts: list[dict], *, max_new_tokens: int, 
     return _summaries(rounds, block_size, requests)
 
 
+def served_protocols(target, drafts: dict, prompts: list[dict], methods, sampled: dict, **kw) -> dict:
+    """{"<draft>+<rejection>": {protocol, <draft name>: figures}} for each served protocol in `methods` at the
+    sampled T (`evaluate_sampled`); the default pair reuses `sampled` (the same streams give the same rounds)."""
+    from regen.train.verification import DEFAULT_METHOD, METHOD_DESCRIPTIONS, method_key
+
+    proto, out = sampled["protocol"], {}
+    for dm, rm in methods:
+        res = {k: v for k, v in sampled.items() if k != "protocol"} if (dm, rm) == DEFAULT_METHOD else evaluate_sampled(
+            target, drafts, prompts, temperature=proto["temperature"], top_p=proto["top_p"], seed=proto["seed"],
+            draft_sample_method=dm, rejection_sample_method=rm, **kw)
+        out[method_key(dm, rm)] = {"protocol": {**proto, "draft_sample_method": dm, "rejection_sample_method": rm,
+                                                "verification": METHOD_DESCRIPTIONS[rm],
+                                                "draft_proposal": METHOD_DESCRIPTIONS[dm]}, **res}
+    return out
+
+
 RESERVED_NAMES = frozenset({"trained", "untrained", "num_prompts", "num_prompts_asked", "seed", "draft",
                             "draft_sha256", "target", "heldout_fraction", "max_new_tokens", "block_size",
                             "markov_rank", "stop_token_ids", "temperature", "drafts", "confidence_threshold",
-                            "protocol", "elapsed_s", "sampled", "top_p", "rope_theta"})
+                            "protocol", "elapsed_s", "sampled", "top_p", "rope_theta", "served"})
 
 GREEDY_PROTOCOL = "greedy verification, bonus token counted, first (prefill) token not counted (spec §7)"
 SAMPLED_VERIFICATION = (
@@ -375,7 +407,8 @@ DRAFT_PROPOSAL = ("q_k = softmax((U_k + W2·W1[x_(k-1)]) / T) restricted to the 
 
 def run_eval(cfg, run, *, draft_dir, seed: int | None = None, num_prompts: int = 32, max_new_tokens: int = 64,
              confidence_threshold: float = 0.0, progress: bool = True, compare: dict | None = None,
-             out_path: str | Path | None = None, temperature: float = 0.0, top_p: float = 1.0) -> dict:
+             out_path: str | Path | None = None, temperature: float = 0.0, top_p: float = 1.0,
+             methods: list[tuple[str, str]] | None = None) -> dict:
     """Measure the trained draft in `draft_dir` and an untrained draft of the same config (seeded) on the run's
     held-out prompts; write `out_path` (default `run.eval_json`: `<run>/eval.json`, or `eval-original.json` for
     `run.with_responses("original")`) atomically and return it.
@@ -383,7 +416,10 @@ def run_eval(cfg, run, *, draft_dir, seed: int | None = None, num_prompts: int =
     The top-level figures are greedy (T = 0, unchanged); with temperature > 0 the same drafts are also measured
     under rejection sampling at (temperature, top_p), under `"sampled"`: {protocol, <draft name>: {acc_len,
     accept_rate, per_category, ...}}, seeded by `seed`. InputError for temperature < 0 or top_p outside (0, 1],
-    and when the profile's `train.rope_theta` differs from a checkpoint's.
+    and when the profile's `train.rope_theta` differs from a checkpoint's. `methods`: further served protocols
+    [(draft_sample_method, rejection_sample_method)] (`regen.train.verification`) measured at the same T on the
+    same random streams, under `"served"`: {"<draft>+<rejection>": {protocol, <draft name>: {...}}}; "sampled" is
+    ("probabilistic", "standard").
 
     compare: {name: draft dir} of further trained drafts of the same target and block size measured on the same
     prompts and reported under their names (e.g. {"markov_rank_0": ...}, the spec §9 ablation); InputError for
@@ -474,6 +510,9 @@ def run_eval(cfg, run, *, draft_dir, seed: int | None = None, num_prompts: int =
                    stop_ids=stop, block_size=dcfg.block_size, confidence_threshold=confidence_threshold,
                    progress=progress)
     sampled = None
+    if methods and temperature <= 0:
+        raise InputError("--draft-sample-method / --rejection-sample-method measure at T > 0: give --temperature "
+                         "(the card's sampled endpoint: 1.0); at T = 0 every method is greedy verification")
     if temperature > 0:
         sampled = {"protocol": {"temperature": temperature, "top_p": top_p, "seed": seed,
                                 "verification": SAMPLED_VERIFICATION, "draft_proposal": DRAFT_PROPOSAL,
@@ -481,6 +520,8 @@ def run_eval(cfg, run, *, draft_dir, seed: int | None = None, num_prompts: int =
                    **evaluate_sampled(target, drafts, prompts, max_new_tokens=max_new_tokens, stop_ids=stop,
                                       temperature=temperature, top_p=top_p, seed=seed,
                                       confidence_threshold=confidence_threshold, progress=progress)}
+        served = served_protocols(target, drafts, prompts, methods or [], sampled, max_new_tokens=max_new_tokens,
+                                  stop_ids=stop, confidence_threshold=confidence_threshold, progress=progress)
     target.close()
     dirs = {"trained": ddir, "untrained": ddir, **others}
     out = {**res, "num_prompts": len(prompts), "num_prompts_asked": num_prompts, "seed": seed, "draft": str(ddir),
@@ -492,7 +533,7 @@ def run_eval(cfg, run, *, draft_dir, seed: int | None = None, num_prompts: int =
                              "draft_vocab_size": d.config.draft_vocab_size, "trained": name != "untrained"}
                       for name, d in drafts.items()},
            "confidence_threshold": confidence_threshold,
-           "protocol": GREEDY_PROTOCOL, **({"sampled": sampled} if sampled else {}),
+           "protocol": GREEDY_PROTOCOL, **({"sampled": sampled, "served": served} if sampled else {}),
            "elapsed_s": round(time.perf_counter() - t0, 2)}
     write_json_atomic(out, Path(out_path) if out_path else run.eval_json)
     if getattr(cfg, "tracking", None):  # the figures to the draft's TensorBoard too (regen.train.tracking)
@@ -500,86 +541,3 @@ def run_eval(cfg, run, *, draft_dir, seed: int | None = None, num_prompts: int =
 
         track_eval(out, ddir, run, cfg)
     return out
-
-
-def add_arguments(parser) -> None:
-    from regen.config import add_profile_arguments
-
-    from regen.config import add_responses_argument
-
-    add_profile_arguments(parser)
-    add_responses_argument(parser, "the shard set whose held-out prompts are measured (-> eval.json or "
-                                   "eval-original.json)")
-    parser.add_argument("--draft", default=None, help="checkpoint folder, or a folder with latest.json (default: "
-                        "the run's training directory, <run>/train or train-original/, its latest step)")
-    parser.add_argument("--num-prompts", type=int, default=32, help="held-out prompts to evaluate (default 32)")
-    parser.add_argument("--max-new-tokens", type=int, default=64, help="generated tokens per prompt (default 64)")
-    parser.add_argument("--seed", type=int, default=None, help="seed of the untrained draft (default: profile)")
-    parser.add_argument("--compare", action="append", default=[], metavar="NAME=DIR",
-                        help="another trained draft to measure on the same prompts, e.g. markov_rank_0=runs/abl/train "
-                             "(repeatable)")
-    parser.add_argument("--confidence-threshold", type=float, default=0.0,
-                        help="cut each block before the first slot with confidence < this (default 0: full block)")
-    parser.add_argument("--temperature", type=float, default=0.0,
-                        help="also measure under speculative rejection sampling at this temperature (the paper's "
-                             "tables: 1.0); default 0: greedy only")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus of the sampled measurement (default 1)")
-
-
-def main(args) -> int:
-    import json
-    import os
-
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    from regen.config import load_profile_from_args
-
-    profile, run = load_profile_from_args(args)
-    seed = args.seed if args.seed is not None else (profile.train.seed if profile.train.seed is not None
-                                                    else profile.seed)
-    from regen.errors import InputError
-
-    compare = {}
-    for item in args.compare:
-        name, sep, path = item.partition("=")
-        if not sep or not name or not path:
-            raise InputError(f"--compare {item!r}: write NAME=DIR, e.g. markov_rank_0=runs/ablation/train")
-        if name in compare:
-            raise InputError(f"--compare {name}=...: given twice; use one name per draft")
-        compare[name] = path
-    out = run_eval(profile.train, run, draft_dir=args.draft or run.train, seed=seed, num_prompts=args.num_prompts,
-                   max_new_tokens=args.max_new_tokens, confidence_threshold=args.confidence_threshold,
-                   compare=compare, temperature=args.temperature, top_p=args.top_p)
-    brief = {k: {"acc_len": out[k]["acc_len"], "num_rounds": out[k]["num_rounds"]} for k in out["drafts"]}
-    if "sampled" in out:
-        for k in out["drafts"]:
-            brief[k][f"acc_len_T{args.temperature:g}"] = out["sampled"][k]["acc_len"]
-    print(json.dumps({**brief, "num_prompts": out["num_prompts"], "seed": out["seed"],
-                      "eval_json": str(run.eval_json)}, indent=2))
-    print(format_table(out))
-    print(format_cells(out))
-    held = out.get("heldout") or {}
-    if held.get("cells_selected") is not None:
-        missing = ", ".join("/".join(str(x or "-") for x in c) for c in held.get("cells_not_measured") or [])
-        print(f"cells of the selection measured: {held['cells_measured']} of {held['cells_selected']}"
-              + (f" (not measured: {missing}; raise train.heldout_per_cell or --num-prompts)" if missing else ""))
-    return 0
-
-
-def format_table(out: dict) -> str:
-    """The per-category acc_len (accept_rate@0) of each draft at T = 0 and, when measured, at the sampled T."""
-    temps = [("T=0", out)] + ([(f"T={out['sampled']['protocol']['temperature']:g}", out["sampled"])]
-                              if "sampled" in out else [])
-    cats = sorted({c for name in out["drafts"] for c in out[name]["per_category"]})
-    head = ["draft", "category"] + [f"{t} acc_len (accept@0)" for t, _ in temps]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-
-    def cell(s):
-        return "-" if not s or s.get("acc_len") is None else f"{s['acc_len']:.3f} ({s['accept_rate']['0'] or 0:.3f})"
-
-    for name in out["drafts"]:
-        for cat in ["all", *cats]:
-            row = [name, cat] + [cell(res[name] if cat == "all" else res[name]["per_category"].get(cat))
-                                 for _, res in temps]
-            lines.append("| " + " | ".join(row) + " |")
-    return "\n".join(lines)

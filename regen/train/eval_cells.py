@@ -1,5 +1,5 @@
 """acc_len where it is weak: `regen eval`'s figures per category x input-length band x generation mode, with
-per-position acceptance and both averages (issue 28, point 2).
+per-position acceptance and both averages.
 
 A cell is the held-out prompt's `(category, length_band, mode)` as `regen select` recorded them (PROMPT_SCHEMA
 v3; `None` where the selection has no bands or modes). For every cell, and for each dimension alone (`by`), over

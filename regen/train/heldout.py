@@ -1,5 +1,4 @@
-"""The held-out split: which prompts the trainer never sees and every evaluation measures (issue 27 point 4,
-issue 28 point 4).
+"""The held-out split: which prompts the trainer never sees and every evaluation measures.
 
 Two parts: the sha256 bucket of the prompt id (`train.heldout_fraction`, `regen.train.eval.is_heldout`), and, with
 `train.heldout_per_cell` > 0, per-cell picks: so that every category x length band x mode cell of the run's first

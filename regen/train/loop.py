@@ -124,7 +124,7 @@ def build_draft_config(cfg, target_config):
         dc = small_config_for_target(tc, num_hidden_layers=cfg.num_draft_layers, **common, **cfg.draft)
     else:
         raise InputError(f"train.draft_preset={cfg.draft_preset!r}: allowed values are 'small' and 'kimi-k3'")
-    if cfg.rope_theta is not None:  # the profile states the base: it wins over the preset's (issue 14)
+    if cfg.rope_theta is not None:  # the profile states the base: it wins over the preset's
         dc = dataclasses.replace(dc, rope_parameters={**dc.rope_parameters, "rope_theta": float(cfg.rope_theta)})
     return dc
 
@@ -185,7 +185,7 @@ def share_frozen_with_target(draft, target_model, dtype) -> None:
         w = theirs.weight
         if w.shape == mine.weight.shape and w.dtype == dtype and w.device == mine.weight.device:
             mine.weight = w if not w.requires_grad else torch.nn.Parameter(w.detach(), requires_grad=False)
-        else:
+        elif mine.weight.dtype != dtype:  # (already in dtype: nothing to convert, nor to swap on fake tensors)
             mine.to(dtype)
 
 

@@ -20,7 +20,10 @@ I the MLP width, Vd output vocabulary, r the Markov rank, c compute bytes (2 for
 * final_norm Q·H·(4 + c) + 4Q.
 
 The fused vocabulary loss keeps fp32 gradients g_h Q·H·4, g_e Q·r·4, g_w2 Vd·r·4 (`regen.train.fused_loss`,
-upper bound: every slot supervised) and a chunk's transients, about six [2^25] fp32 buffers.
+upper bound: every slot supervised) and a chunk's transients, `LOSS_CHUNK_BUFFERS` (5) fp32 buffers of a chunk's
+[slots, Vd] logits at its peak: the logits, p, the gathered p_t, p - p_t and one temporary of the gradient's
+arithmetic (the rehearsal's fake-tensor peak, regen.train.rehearse; p_t itself is computed once per distinct
+position, a contiguous range of about slots/K rows).
 Features: with producers (`train.features: producers`) at most `DEVICE_RESIDENT_OBJECTS` (2) objects are on the
 device (the micro-batch computing and the next one's copy; `regen.train.features.staging`); a step's grad_accum
 objects wait in pinned host slots, counted apart as host memory (`host_memory_bytes`: the slots, exact, and the
@@ -32,6 +35,7 @@ Not counted: the CUDA context, NCCL and cuBLAS workspaces, allocator fragmentati
 from __future__ import annotations
 
 LOSS_CHUNK_LOGITS = 1 << 25  # regen.train.fused_loss's default chunk: about 2**25 logits
+LOSS_CHUNK_BUFFERS = 5  # chunk-sized fp32 buffers alive at the fused loss's peak (module docstring)
 
 
 def activation_bytes(cfg, S: int, *, c: int = 2, attention: str = "efficient") -> dict:
@@ -91,8 +95,14 @@ def step_memory_bytes(cfg, *, tokens: int, world_size: int, grad_accum: int, p_t
         "optimizer": 8 * P / W,
         "features": resident_feature_objects * feature_object_bytes(cfg, tokens, feature_bytes),
         "activations": activation_bytes(cfg, tokens, c=c)["total"],
-        "loss": Q * cfg.hidden_size * 4 + Q * r * 4 + Vd * r * 4 + 6 * LOSS_CHUNK_LOGITS * 4,
+        "loss": Q * cfg.hidden_size * 4 + Q * r * 4 + Vd * r * 4 + LOSS_CHUNK_BUFFERS * loss_chunk_logits(Q, Vd) * 4,
     }
+
+
+def loss_chunk_logits(Q: int, Vd: int) -> int:
+    """Logits of one chunk of the fused loss: min(Q, max(1, 2^25 // Vd)) slots x Vd (`regen.train.fused_loss`'s
+    chunk; a micro-batch of fewer slots than a chunk makes a smaller one, as the rehearsal measures)."""
+    return min(Q, max(1, LOSS_CHUNK_LOGITS // Vd)) * Vd
 
 
 def feature_object_bytes(cfg, tokens: int, feature_bytes: int = 2) -> int:
@@ -174,5 +184,5 @@ def step_memory_formulas(cfg, *, tokens: int, world_size: int, grad_accum: int, 
                         "(incl. the context-side K/V of every layer), memory-efficient attention "
                         "(regen/train/memory.py, checked against CPU measurement)"),
         "loss": f"fused loss: {Q} x {cfg.hidden_size} x 4 B + {Q} x {cfg.markov_rank} x 4 B + {v_out} x "
-                f"{cfg.markov_rank} x 4 B + a chunk's 6 x 2^25 x 4 B",
+                f"{cfg.markov_rank} x 4 B + a chunk's {LOSS_CHUNK_BUFFERS} x {loss_chunk_logits(Q, v_out):,} x 4 B",
     }

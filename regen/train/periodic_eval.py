@@ -1,4 +1,4 @@
-"""Evaluation during training (issue 28, point 3): a cheap held-out estimate of acc_len every `train.eval_every`
+"""Evaluation during training: a cheap held-out estimate of acc_len every `train.eval_every`
 steps, the best checkpoint kept beside the latest, the curve in `<train>/periodic_eval.jsonl`.
 
 The estimate, labelled as one everywhere it is written (`METHOD`): on up to `train.eval_rows` held-out rows of the

@@ -1,4 +1,4 @@
-"""Experiment tracking of `regen train` and `regen eval` (issue 28, point 6): figures to TensorBoard beside
+"""Experiment tracking of `regen train` and `regen eval`: figures to TensorBoard beside
 `log.jsonl`, W&B or MLflow where installed and asked for, and a progress line for logs nobody watches.
 
     <train>/tensorboard/   TensorBoard event files: train/<metric> per logged step (loss, ce, l1, conf,

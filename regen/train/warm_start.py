@@ -1,4 +1,4 @@
-"""Warm start (issue 28, point 5): `regen train` begins from an existing draft instead of a random one.
+"""Warm start: `regen train` begins from an existing draft instead of a random one.
 
 `train.init_from` (or `regen train --init-from PATH`) names one of:
 

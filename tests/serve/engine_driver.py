@@ -440,7 +440,56 @@ def _version(dist: str, path: Path | None = None) -> str | None:
         return None
 
 
+def metrics(engine: str) -> dict:
+    """Prometheus text written by the engine's own metrics code after a known workload (`regen engine-eval
+    --endpoint` parses it in tests/serve/test_endpoint_eval.py): vLLM two drafts of 3 tokens, 2 and 0 accepted;
+    TokenSpeed one step of 4 slots x 7 draft tokens, 10 accepted; SGLang one finished request of 13 generated tokens
+    over 4 verify calls."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    if engine == "vllm":
+        import prometheus_client
+        from vllm.v1.spec_decode.metrics import SpecDecodingProm, SpecDecodingStats
+
+        prom = SpecDecodingProm(_Fields(num_speculative_tokens=3), ["model_name", "engine"], {0: ["m", "0"]})
+        stats = SpecDecodingStats.new(3)
+        stats.observe_draft(3, 2)
+        stats.observe_draft(3, 0)
+        prom.observe(stats, 0)
+        return {"text": generate_latest(prometheus_client.REGISTRY).decode()}
+    reg = CollectorRegistry()
+    if engine == "tokenspeed":
+        sys.path.insert(0, str(ROOT / ".engines" / "tokenspeed"))
+        _stub_missing({"tokenspeed_kernel", "tokenspeed_triton", "tokenspeed_scheduler", "tokenspeed_mooncake",
+                       "tokenspeed_smg", "pybase64", "zmq", "compressed_tensors", "python_multipart", "hf_transfer",
+                       "orjson", "setproctitle", "partial_json_parser", "openai_harmony", "einops", "dill",
+                       "modelscope", "peft", "triton"})
+        from tokenspeed.runtime.metrics.collector import EngineMetrics
+
+        EngineMetrics({"model_name": "m"}, enabled=True, registry=reg).record_spec_decode_step(
+            num_decode_slots=4, accepted_draft_tokens=10, draft_width=7)
+        return {"text": generate_latest(reg).decode()}
+    sys.path.insert(0, str(ROOT / ".engines" / "sglang"))
+    _stub_missing(SGLANG_STUBS)
+    import prometheus_client
+    from sglang.srt.observability.metrics_collector import TokenizerMetricsCollector
+    from sglang.srt.runtime_context import get_context
+
+    get_context().override_server_args().install()  # SGLang's own test hook: a published default config
+    TokenizerMetricsCollector(labels={"model_name": "m"}).observe_one_finished_request(
+        {"model_name": "m"}, prompt_tokens=5, generation_tokens=13, cached_tokens=0, e2e_latency=1.0,
+        has_grammar=False, spec_verify_ct=4)
+    return {"text": generate_latest(prometheus_client.REGISTRY).decode()}
+
+
 def main(argv: list[str]) -> int:
+    if argv[0] == "metrics":
+        try:
+            res = metrics(argv[1])
+        except Exception as exc:  # noqa: BLE001 - every failure is data for the test
+            res = {"crash": _error(exc), "traceback": traceback.format_exc()[-4000:]}
+        print("ENGINE_RESULT " + json.dumps(res))
+        return 0
     engine, export, target = argv[0], Path(argv[1]), json.loads(Path(argv[2]).read_text())
     try:
         res = {"tokenspeed": tokenspeed, "vllm": vllm, "sglang": sglang}[engine](export, target)

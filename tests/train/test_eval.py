@@ -256,7 +256,8 @@ def test_regen_eval_at_temperature_is_seeded_and_keeps_greedy(tmp_path, tiny_tar
     kw = dict(draft_dir=tmp_path / "ckpt", num_prompts=2, max_new_tokens=10, progress=False)
     greedy = run_eval(cfg, run, seed=3, out_path=tmp_path / "g.json", **kw)
     a = run_eval(cfg, run, seed=3, temperature=1.0, top_p=0.9, out_path=tmp_path / "a.json", **kw)
-    b = run_eval(cfg, run, seed=3, temperature=1.0, top_p=0.9, out_path=tmp_path / "b.json", **kw)
+    served = [("probabilistic", "standard"), ("probabilistic", "block"), ("greedy", "block")]
+    b = run_eval(cfg, run, seed=3, temperature=1.0, top_p=0.9, out_path=tmp_path / "b.json", methods=served, **kw)
     c = run_eval(cfg, run, seed=4, temperature=1.0, top_p=0.9, out_path=tmp_path / "c.json", **kw)
     assert "sampled" not in greedy and greedy["temperature"] == 0.0
     for name in ("trained", "untrained"):
@@ -269,9 +270,18 @@ def test_regen_eval_at_temperature_is_seeded_and_keeps_greedy(tmp_path, tiny_tar
     proto = a["sampled"]["protocol"]
     assert (proto["temperature"], proto["top_p"], proto["seed"]) == (1.0, 0.9, 3)
     assert "min(1, p_t(d_k)/q_k(d_k))" in proto["verification"] and "max(0, p_t - q_k)" in proto["verification"]
-    for bad in (dict(temperature=-1.0), dict(temperature=1.0, top_p=0.0)):
+    for bad in (dict(temperature=-1.0), dict(temperature=1.0, top_p=0.0), dict(methods=served[1:])):
         with pytest.raises(InputError, match="--temperature"):
             run_eval(cfg, run, seed=3, **kw, **bad)
+    # the served protocols (draft_sample_method x rejection_sample_method) on the same streams as "sampled"
+    assert list(b["served"]) == ["probabilistic+standard", "probabilistic+block", "greedy+block"]
+    assert b["served"]["probabilistic+standard"]["trained"] == a["sampled"]["trained"]
+    for key, (dm, rm) in zip(b["served"], served):
+        res = b["served"][key]
+        assert (res["protocol"]["draft_sample_method"], res["protocol"]["rejection_sample_method"]) == (dm, rm)
+        assert res["trained"]["num_rounds"] > 0 and 1.0 <= res["trained"]["acc_len"] <= 5.0
+    assert "arXiv 2403.10444" in b["served"]["probabilistic+block"]["protocol"]["verification"]
+    assert b["served"]["probabilistic+block"]["trained"] != b["served"]["greedy+block"]["trained"]
 
 
 def test_eval_refuses_a_checkpoint_of_another_rope_theta(tmp_path, tiny_target_dir, shard_writer):

@@ -10,7 +10,7 @@ Decisions where the spec leaves a choice (§2, §8):
 - `thinking_effort="medium"` raises RenderError, as ENC (the checkpoint's `encoding_k3.py`) does; pass
   `effort_aliases={"medium": "high", "xhigh": "max"}` for FW's remapping.
 - The output equals ENC's on every input ENC accepts, and RenderError is raised only where ENC raises
-  (`messages.check_renderable`; issue #11 point 5): roles other than system/user/assistant/tool and non-dict
+  (`messages.check_renderable`): roles other than system/user/assistant/tool and non-dict
   messages are skipped, roles in any order and tool results without a matching call are rendered (the name from
   `tool`/`name`, the next index), non-string reasoning is `str()`-ed, any part with a `text` is text. Whether such
   a conversation makes a training row is decided by validation: `messages.row_problems` (reported by

@@ -119,7 +119,7 @@ def order_tool_results(messages: list) -> list[tuple[int, dict, str | None]]:
 
 
 def check_renderable(messages: list) -> None:
-    """Raise RenderError exactly where ENC (`build_chat_segments`) raises, and nowhere else (issue #11 point 5):
+    """Raise RenderError exactly where ENC (`build_chat_segments`) raises, and nowhere else:
     the renderer must equal the reference on every input the reference accepts. Whether such data make a good
     training row is `row_problems`' (and the render stage's row checks') business, not the renderer's.
 

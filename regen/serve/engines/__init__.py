@@ -13,6 +13,8 @@ Modules, in reading order:
     cli.py         `regen export-draft`
     spec_eval.py   `regen engine-eval`: the draft served by llama.cpp beside the embedded target, acceptance read
                    from the engine's counters (the round trip)
+    endpoint.py    a served endpoint regen does not start: the engines' /metrics counters, /v1/models, streamed chat
+    endpoint_eval.py `regen engine-eval --endpoint`: per held-out cell and benchmark set, at each concurrency
 
 Each engine's contract is pinned to one released version and checked by that engine's own code in
 tests/serve/test_engine_contracts.py; the draft model (regen.train.model) knows no engine.

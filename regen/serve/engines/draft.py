@@ -182,3 +182,20 @@ def write_export(ckpt: DraftCheckpoint, out: Path, config: dict, tensors: dict, 
     write_launch(tmp, record)
     replace_dir(tmp, Path(out))
     return record
+
+
+def verification_record(endpoints: dict, how: str) -> dict:
+    """The launch's `verification`: how the engine drafts and verifies at T > 0, named as `regen eval` names it
+    (`regen.train.verification`: draft_sample_method probabilistic | greedy, rejection_sample_method standard |
+    block), and the `regen eval` flags that predict what the engine's counters report.
+
+    endpoints: {endpoint name: {"draft_sample_method", "rejection_sample_method", ...how to launch it}}; the first
+    is the launch's own command. `how`: where the engine reads the choice (its flag, config key or environment)."""
+    drafts = ",".join(dict.fromkeys(e["draft_sample_method"] for e in endpoints.values()))
+    rejects = ",".join(dict.fromkeys(e["rejection_sample_method"] for e in endpoints.values()))
+    return {"endpoints": endpoints, "how": how,
+            "regen_eval": ["regen", "eval", "--temperature", "1.0", "--draft-sample-method", drafts,
+                           "--rejection-sample-method", rejects],
+            "note": "at T = 0 every method is greedy verification (regen eval's top-level figures); at T > 0 "
+                    "regen eval's served[<draft_sample_method>+<rejection_sample_method>] predicts the engine's "
+                    "acc_len on the same prompts"}

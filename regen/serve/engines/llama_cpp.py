@@ -28,7 +28,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from regen.serve.engines.draft import DraftCheckpoint, Refusal, provenance, replace_dir, staging_dir, write_launch
+from regen.serve.engines.draft import (DraftCheckpoint, Refusal, provenance, replace_dir, staging_dir,
+                                      verification_record, write_launch)
 
 ENGINE = "llama.cpp"
 PACKAGE = "xllamacpp"
@@ -209,6 +210,11 @@ def launch(cfg, draft_file: str = GGUF_NAME, target_gguf: str = "TARGET.gguf") -
         "env": {},
         "acceptance": {"metrics": list(METRICS), "acc_len": "1 + accepted_tokens_total / drafts_total",
                        "per_response": "timings.draft_n, timings.draft_n_accepted"},
+        "verification": verification_record(
+            {"greedy": {"draft_sample_method": "greedy", "rejection_sample_method": "standard"}},
+            "not configurable: llama.cpp drafts the argmax block and the server samples the target at every "
+            "drafted position, keeping drafts while the sample equals them (common_sampler_sample_and_accept_n): "
+            "token-level rejection sampling against a one-hot draft; no block verification"),
         "notes": ["--spec-draft-n-max must equal the trained block_size: a shorter block drafts fewer tokens than "
                   "trained, a longer one is capped by dflash.block_size",
                   "--spec-draft-p-min 0 proposes the full block, as regen eval does; a positive value cuts the block "

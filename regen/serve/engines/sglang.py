@@ -13,12 +13,16 @@ from __future__ import annotations
 from pathlib import Path
 
 from regen.serve.engines import hf_gqa
-from regen.serve.engines.draft import DraftCheckpoint, EngineRefused, Refusal, write_export
+from regen.serve.engines.draft import DraftCheckpoint, EngineRefused, Refusal, verification_record, write_export
 
 ENGINE = "sglang"
 PACKAGE = "sglang"
 PINNED_VERSION = "0.5.23"
 METRICS = ("sglang:spec_accept_length", "sglang:spec_verify_calls_total")
+# the served protocol (srt/arg_groups/fields/spec.py, srt/environ.py): DSPARK drafts are sampled from the draft
+# unless SGLANG_DSPARK_USE_GREEDY_DRAFT=1; --speculative-use-block-verification switches token-level to block
+BLOCK_FLAG = "--speculative-use-block-verification"
+GREEDY_DRAFT_ENV = "SGLANG_DSPARK_USE_GREEDY_DRAFT"
 
 
 def refusals(cfg) -> list[Refusal]:
@@ -32,7 +36,7 @@ def launch(cfg, draft_dir: str = "DRAFT_DIR", target: str = "TARGET") -> dict:
         "engine": ENGINE, "engine_version": f"{PACKAGE}=={PINNED_VERSION}",
         "command": ["sglang", "serve", "--model-path", target, "--speculative-algorithm", "DSPARK",
                     "--speculative-draft-model-path", draft_dir, "--speculative-num-draft-tokens", str(n + 1),
-                    "--enable-metrics"],
+                    BLOCK_FLAG, "--enable-metrics"],
         "widths": {"block_size": n, "gamma": n, "speculative_num_draft_tokens": n + 1,
                    "rule": "gamma = speculative_num_draft_tokens - 1 must equal the trained block_size; SGLang "
                            "only warns on a mismatch"},
@@ -41,6 +45,13 @@ def launch(cfg, draft_dir: str = "DRAFT_DIR", target: str = "TARGET") -> dict:
         "env": {},
         "acceptance": {"metrics": list(METRICS), "acc_len": "sglang:spec_accept_length (accepted + bonus per "
                        "verify); per request meta_info.spec_accept_length", "needs": "--enable-metrics"},
+        "verification": verification_record(
+            {"probabilistic": {"draft_sample_method": "probabilistic", "rejection_sample_method": "block",
+                               "flags": [BLOCK_FLAG], "env": {}},
+             "greedy": {"draft_sample_method": "greedy", "rejection_sample_method": "block", "flags": [BLOCK_FLAG],
+                        "env": {GREEDY_DRAFT_ENV: "1"}}},
+            f"{BLOCK_FLAG} (off: token-level rejection sampling); the environment {GREEDY_DRAFT_ENV}=1 drafts the "
+            "argmax (accepted as a one-hot draft), otherwise DSPARK samples its drafts"),
         "notes": ["SGLang 0.5.23 refuses DSpark on a cpu device: CUDA, NPU or XPU"],
     }
 

@@ -20,7 +20,7 @@ Reported (`<run>/engine-eval.json`):
   the engine's answer equal to the trainer target's greedy continuation. Differences have three sources, each
   reported: the budget rule (the two regen figures), the engine's weights (q8_0 against f32) and the engine's
   float arithmetic (f32 engine against regen).
-- per cell (issue 28): the engine's figures and regen's replay per category x length band x mode of the held-out
+- per cell (where the draft is weak): the engine's figures and regen's replay per category x length band x mode of the held-out
   prompts (`engine_breakdown`, `regen.train.eval_cells.breakdown`), printed as one table per weight type.
 """
 from __future__ import annotations
@@ -101,7 +101,7 @@ def summarize_engine(results: list[dict], block_size: int) -> dict:
 
 
 def engine_breakdown(prompts: list[dict], results: list[dict], block_size: int) -> dict:
-    """The engine's figures per category x length band x mode (issue 28, point 2) and per dimension alone, in the
+    """The engine's figures per category x length band x mode and per dimension alone, in the
     layout of `regen.train.eval_cells.breakdown`: {"cells": [{category, length_band, mode, **figures}], "by":
     {dimension: {value: figures}}, "overall", "averaging"}. `prompts[i]` is the held-out prompt of `results[i]`
     (`serve_and_measure`). Each figures dict: num_requests, num_rounds (the engine's drafts), acc_len_per_round
@@ -369,6 +369,22 @@ def add_arguments(parser) -> None:
     parser.add_argument("--gguf-types", default="q8_0", help="engine weight types to serve the target with, comma "
                         "separated: q8_0 (served), f32 (the trainer's weights exactly), f16")
     parser.add_argument("--no-regen", action="store_true", help="skip regen's own replay of the same prompts")
+    g = parser.add_argument_group("a served endpoint regen does not start (regen.serve.engines.endpoint_eval)")
+    g.add_argument("--endpoint", default=None, help="base URL of the engine serving the target with the draft "
+                   "(e.g. http://10.0.0.5:8000): measure it instead of starting llama.cpp")
+    g.add_argument("--metrics-url", default=None, help="its Prometheus metrics (default <endpoint>/metrics)")
+    g.add_argument("--baseline-endpoint", default=None, help="the same target served without the draft: tokens/s "
+                   "and the speedup at each concurrency")
+    g.add_argument("--concurrency", default="1", help="requests in flight, comma separated (default 1; 1 also "
+                   "gives acc_len per request)")
+    g.add_argument("--benchmark", default=None, help="bundled benchmark sets, comma separated (data/contamination: "
+                   "fastchat_mt_bench, humaneval, mbpp, ...), each reported on its own")
+    g.add_argument("--benchmarks-only", action="store_true", help="measure the benchmark sets only, not the "
+                   "run's held-out cells")
+    g.add_argument("--engine", default=None, choices=["vllm", "sglang", "tokenspeed", "llama.cpp"],
+                   help="the engine behind --endpoint (default: from its metric names)")
+    g.add_argument("--model", default=None, help="the model id the endpoint must serve (default generate.model)")
+    g.add_argument("--out", default=None, help="result JSON (default <run>/engine-eval-endpoint.json)")
 
 
 def main(args) -> int:
@@ -381,6 +397,12 @@ def main(args) -> int:
     from regen.serve.gguf_weights import GGUF_TYPES
 
     profile, run = load_profile_from_args(args)
+    if args.endpoint:
+        from regen.serve.engines.endpoint_eval import format_endpoint, run_endpoint_eval
+
+        res = run_endpoint_eval(profile, run, args)
+        print(format_endpoint(res))
+        return 0
     types = tuple(x.strip() for x in args.gguf_types.split(",") if x.strip())
     bad = [x for x in types if x not in GGUF_TYPES]
     if bad or not types:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from regen.serve.engines import k3_mla
-from regen.serve.engines.draft import DraftCheckpoint, EngineRefused, Refusal, write_export
+from regen.serve.engines.draft import DraftCheckpoint, EngineRefused, Refusal, verification_record, write_export
 
 ENGINE = "tokenspeed"
 PACKAGE = "tokenspeed"
@@ -48,6 +48,12 @@ def launch(cfg, draft_dir: str = "DRAFT_DIR", target: str = "TARGET") -> dict:
         "env": {},
         "acceptance": {"metrics": list(METRICS), "acc_len": "1 + spec_decode_num_accepted_tokens / "
                        "spec_decode_num_drafts", "needs": "--enable-metrics"},
+        "verification": verification_record(
+            {"greedy": {"draft_sample_method": "greedy", "rejection_sample_method": "standard"}},
+            "not configurable in TokenSpeed 0.1.1: DSPARK is a block drafter (runtime/utils/spec_block_geometry.py "
+            "BLOCK_SPEC_ALGORITHMS) that proposes its block greedily, and --enable-speculative-sampling is refused "
+            "for it (server_args.py _validate_speculative_sampling); the target-only rule accepts d with probability "
+            "p_t(d): token-level rejection sampling against a one-hot draft; no block verification"),
         "notes": ["with --speculative-config, num_speculative_tokens is the verify width (block_size + 1 = "
                   f"{n + 1}), not the draft length: {n} would fail the width check",
                   "the confidence head is loaded but unused by TokenSpeed 0.1.1: every round verifies the full block",

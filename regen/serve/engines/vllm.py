@@ -21,7 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from regen.serve.engines import hf_gqa, k3_mla
-from regen.serve.engines.draft import DraftCheckpoint, EngineRefused, Refusal, write_export
+from regen.serve.engines.draft import DraftCheckpoint, EngineRefused, Refusal, verification_record, write_export
 
 ENGINE = "vllm"
 PACKAGE = "vllm"
@@ -29,6 +29,12 @@ PINNED_VERSION = "0.32.0"
 AUX_STREAM_ENV = "VLLM_KIMI_K3_AUX_ATTN_RES_STREAM"
 METRICS = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_accepted_tokens_total",
            "vllm:spec_decode_num_accepted_tokens_per_pos_total{position=k}")
+# the speculative_config keys of the served protocol (vllm/config/speculative.py: DraftSampleMethod "greedy" |
+# "probabilistic", default greedy; RejectionSampleMethod "standard" | "synthetic" | "block", default standard)
+DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
+REJECTION_SAMPLE_METHODS = ("standard", "synthetic", "block")
+SAMPLED = {"draft_sample_method": "probabilistic", "rejection_sample_method": "block"}  # the launch's own
+GREEDY = {"draft_sample_method": "greedy", "rejection_sample_method": "block"}  # the T = 0 endpoint
 
 
 def layout(cfg) -> str:
@@ -52,7 +58,7 @@ def launch(cfg, draft_dir: str = "DRAFT_DIR", target: str = "TARGET") -> dict:
     import json
 
     n = cfg.block_size
-    spec = {"method": "dspark", "model": draft_dir, "num_speculative_tokens": n}
+    spec = {"method": "dspark", "model": draft_dir, "num_speculative_tokens": n, **SAMPLED}
     env = {AUX_STREAM_ENV: "1"} if (layout(cfg) == "k3" and cfg.aux_hidden_stream == "attn_res") else {}
     how = (f"the process environment {AUX_STREAM_ENV}=1 (vLLM 0.32 does not read the draft config's "
            "aux_hidden_stream)" if layout(cfg) == "k3" else "the prefix stream (Qwen3-family targets have no other)")
@@ -68,6 +74,11 @@ def launch(cfg, draft_dir: str = "DRAFT_DIR", target: str = "TARGET") -> dict:
         "env": env,
         "acceptance": {"metrics": list(METRICS), "acc_len": "1 + spec_decode_num_accepted_tokens_total / "
                        "spec_decode_num_drafts_total"},
+        "verification": verification_record(
+            {"probabilistic": {**SAMPLED, "speculative_config": spec},
+             "greedy": {**GREEDY, "speculative_config": {**spec, **GREEDY}}},
+            "speculative_config keys draft_sample_method and rejection_sample_method (vLLM's own default is "
+            "greedy drafting with standard token-level verification; the launch states both)"),
         "notes": ["DSpark runs on vLLM's V2 GPU model runner (CUDA); vLLM 0.32 has no CPU DSpark path",
                   "num_speculative_tokens must stay equal to the trained block_size: vLLM does not check it and a "
                   "different width loses acceptance silently (vLLM #41834)"]
