@@ -3,9 +3,10 @@ sub-config (the same step functions as `regen run`, `regen.pipeline`). No stage 
 
     flow regen(profile="local", run_dir="runs/local", overrides={}, train=None,
                retry_errors=False, retry_classes=None, repair=False)
-      preflight (every stage's configuration, `regen.preflight`) -> select -> generate (inside the embedded
-      target when serve.enabled) -> filter -> render -> train (optional)
-      -> eval (when train.eval_prompts > 0) -> serve (when serve.engine_eval: regen engine-eval)
+      preflight (every stage's configuration, `regen.preflight`), then the job's steps as `regen run` runs
+      them (`regen.pipeline.STEPS`, iterated through `pipeline.steps`): select -> generate (inside the embedded
+      target when serve.enabled) -> filter -> render -> train (when train.enabled) -> eval (and train.eval_prompts
+      > 0) -> serve (and serve.engine_eval: regen engine-eval), one task each
 
 Resume is the stages' own (exactly-once by request key, manifests and cursors), not Prefect's result cache:
 tasks have no cache policy and persist no results, so rerunning the flow on the same `run_dir` finishes what
@@ -31,7 +32,7 @@ from regen import pipeline
 from regen.report import summary
 from regen.config import load_profile, resolve_path
 from regen.config.generate import GenerateConfig
-from regen.config.render import RenderConfig
+from regen.config.render import RenderConfig, effective_render_config
 from regen.config.select import SelectConfig
 from regen.config.serve import ServeConfig
 from regen.config.train import TrainConfig
@@ -173,19 +174,20 @@ def regen(profile: str = "local", run_dir: str = "runs/local", overrides: dict[s
     prof = load_profile(profile, dict(overrides or {}))
     if train is not None:
         prof = prof.model_copy(update={"train": prof.train.model_copy(update={"enabled": train})})
-    render = pipeline.effective_render_config(prof.render, prof.serve)
-    out = {"preflight": preflight_task(prof, run_dir)}
-    out["select"] = select_task(prof.select, prof.seed, run_dir, render)
+    render = effective_render_config(prof.render, prof.serve)
     classes = (retry_classes or []) if retry_errors else None
-    out["generate"] = generate_task(prof.generate, prof.serve, run_dir, classes, repair, recheck)
-    out["filter"] = filter_task(render, run_dir)
-    out["render"] = render_task(render, run_dir)
-    if prof.train.enabled:
-        out["train"] = train_task(prof.train, run_dir)
-        if prof.train.eval_prompts > 0:
-            out["eval"] = eval_task(prof.train, run_dir)
-            if prof.serve.engine_eval and prof.serve.enabled and "skipped" not in out["eval"]:
-                out["serve"] = engine_eval_task(prof, run_dir)
+    out = {"preflight": preflight_task(prof, run_dir)}
+    tasks = {  # each step of `regen.pipeline.STEPS` as this flow's task (the same step function inside)
+        "select": lambda: select_task(prof.select, prof.seed, run_dir, render),
+        "generate": lambda: generate_task(prof.generate, prof.serve, run_dir, classes, repair, recheck),
+        "filter": lambda: filter_task(render, run_dir),
+        "render": lambda: render_task(render, run_dir),
+        "train": lambda: train_task(prof.train, run_dir),
+        "eval": lambda: eval_task(prof.train, run_dir),
+        "serve": lambda: engine_eval_task(prof, run_dir),
+    }
+    for step in pipeline.steps(prof, out):  # the job's steps and conditions, as `regen run` iterates them
+        out[step.name] = tasks[step.name]()
     return out
 
 

@@ -2,42 +2,48 @@
 
     regen run --profile local --run runs/local [--set select.total=24 --set generate.max_tokens=16] [--no-progress]
 
-Steps (each calls one stage entry with its sub-config), after `regen.preflight.preflight` has checked them all:
+The job is written once, as STEPS: each step's name, whether a profile enables it, and what it runs (one stage
+entry with its sub-config). `regen run` (`run_pipeline`), the data loop's rounds (`loop_round`) and the Prefect
+flow (`flows/regen_flow.py`) all iterate it through `steps(profile, results)`. After `regen.preflight.preflight`
+has checked every stage:
   select    regen.select.stage.run_select(profile.select, run, seed=profile.seed)
   generate  regen.generate.stage.run_generate(profile.generate, run, endpoints=...) -- when `serve.enabled`, inside
             `regen.serve.server.EmbeddedTarget(profile.serve)`, with `model` and `endpoints` set to the served ones
   filter    regen.render.stage.filter_responses(profile.render, run)
   render    regen.render.stage.run_render(profile.render, run)            (rendered, assistant-masked shards)
-  train     regen.train.loop.run_train(profile.train, run)               (only when `train.enabled`)
-  eval      regen.train.eval.run_eval(profile.train, run, draft_dir=run.train) (when `train.eval_prompts` > 0:
-            acc_len of the trained draft and of an untrained one on held-out prompts -> <run>/eval.json)
-  serve     regen.serve.engines.spec_eval.run_engine_eval(profile, run) (when `serve.engine_eval`): the draft
-            exported for llama.cpp and served beside the embedded target; the engine's acc_len and the speedup
-            -> <run>/engine-eval.json (docs/serve.md)
+  train     regen.train.loop.run_train(profile.train, run)               (when `train.enabled`)
+  eval      regen.train.eval.run_eval(profile.train, run, draft_dir=run.train) (when `train.enabled` and
+            `train.eval_prompts` > 0: acc_len of the trained draft and of an untrained one on held-out prompts ->
+            <run>/eval.json)
+  serve     regen.serve.engines.spec_eval.run_engine_eval(profile, run) (when the eval step runs, `serve.enabled`
+            and `serve.engine_eval`; not when the eval found no held-out prompt): the draft exported for llama.cpp
+            and served beside the embedded target on the same held-out prompts; the engine's acc_len and the
+            speedup -> <run>/engine-eval.json (docs/serve.md). `train.eval_prompts: 0` turns off the measurement,
+            the engine's with our own.
 then prints the stage counts and runs the DuckDB mix query (`regen.report.summary.MIX_SQL`) over the run's views.
 
 Resume: each stage resumes from its own outputs (select: same config hash + seed returns its manifest; generate:
 the request ledger never asks for a recorded (prompt, turn) again; render: its cursor). Rerunning the command on
 the same run directory finishes an interrupted run. Stage wall times are appended to `<run>/pipeline.json`.
-The same step functions back the Prefect flow (`flows/regen_flow.py`).
 """
 from __future__ import annotations
 
 import argparse
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
 
 from regen.config import Profile
 from regen.config.generate import GenerateConfig
-from regen.config.render import RenderConfig
+from regen.config.render import RenderConfig, effective_render_config
 from regen.config.select import SelectConfig
 from regen.config.serve import ServeConfig
 from regen.config.train import TrainConfig
-from regen.preflight import effective_render_config, generation_complete, preflight  # noqa: F401 (re-exported)
+from regen.preflight import preflight
 from regen.rundir import RunDir
 from schemas.io import read_json, sha256_file, write_json_atomic
-
-STEPS = ("select", "generate", "filter", "render", "train", "eval", "serve")
 
 
 def step_select(select: SelectConfig, run: RunDir, *, seed: int, progress: bool = True,
@@ -68,10 +74,12 @@ def step_generate(generate: GenerateConfig, serve: ServeConfig, run: RunDir, *, 
         return run_generate(generate, run, progress=progress)
     from regen.serve.server import EmbeddedTarget, sampling, served_generate
 
+    from regen.generate.preflight import check_started
+    from regen.generate.stage import check_identity, complete
+
     served = served_generate(generate, serve, log)  # the served id and the engine, part of the request config
-    if generation_complete(served, run):  # nothing left to ask: no server start (a rerun of a finished run)
+    if complete(served, run):  # nothing left to ask: no server start (a rerun of a finished run)
         return run_generate(served, run, progress=progress)
-    from regen.generate.stage import check_identity
 
     run.generations.mkdir(parents=True, exist_ok=True)
     check_identity(served, run.generations)  # another engine's (or sampling's) run is refused before a server starts
@@ -81,9 +89,7 @@ def step_generate(generate: GenerateConfig, serve: ServeConfig, run: RunDir, *, 
                         log=log) as target:
         log(f"embedded target {target.model} ({served.served_by['engine']}, {served.served_by['weights']}) ready at "
             f"{target.base_url} in {target.ready_s:.0f}s (pid {target.pid})")
-        from regen.preflight import check_started_endpoint
-
-        check_started_endpoint(target.base_url, target.model)  # preflight's endpoint check, now that it is up
+        check_started(target.base_url, target.model)  # generate's endpoint check, now that the server is up
         cfg = served.model_copy(update={"endpoints": [target.base_url]})
         return run_generate(cfg, run, endpoints=[target.base_url], progress=progress)
 
@@ -100,9 +106,9 @@ def step_render(render: RenderConfig, run: RunDir, *, progress: bool = True) -> 
     return run_render(render, run, progress=progress)
 
 
-def step_train(train: TrainConfig, run: RunDir) -> dict:
-    """`regen.train.loop.run_train`; a local producer pool trains in a private network namespace (only
-    loopback: `regen.train.features.netns`) where the machine allows."""
+def step_train(train: TrainConfig, run: RunDir, *, train_dir: Path | None = None) -> dict:
+    """`regen.train.loop.run_train` into `train_dir` (default `run.train`); a local producer pool trains in a
+    private network namespace (only loopback: `regen.train.features.netns`) where the machine allows."""
     import json
 
     from regen.errors import InputError
@@ -110,12 +116,12 @@ def step_train(train: TrainConfig, run: RunDir) -> dict:
     from regen.train.loop import run_train
 
     if should_isolate(train):
-        status = run_train_isolated(train, run)
+        status = run_train_isolated(train, run, train_dir=train_dir)
         if status == 0:
-            return json.loads((run.train / "summary.json").read_text())
+            return json.loads(((train_dir or run.train) / "summary.json").read_text())
         if status is not None:
             raise InputError(f"the trainer exited with status {status}; its error is above")
-    return run_train(train, run)
+    return run_train(train, run, train_dir=train_dir)
 
 
 def step_eval(train: TrainConfig, run: RunDir) -> dict:
@@ -161,6 +167,171 @@ def step_engine_eval(profile: Profile, run: RunDir, *, log=print) -> dict:
     return res
 
 
+@dataclass(frozen=True)
+class LoopRound:
+    """One round of the data loop (`loop_round`): the next selection aimed at the last evaluation, at most
+    `budget_units` new generation units, by `policy` (weakest | mix); training on from the last draft for
+    `train_steps` steps (None: train.max_steps); `prior_requests`: the aim's prior weight of a cell."""
+
+    budget_units: int
+    policy: str = "weakest"
+    train_steps: int | None = None
+    prior_requests: float = 4.0
+
+
+def step_next_selection(profile: Profile, run: RunDir, loop: LoopRound, *, render: RenderConfig, log=print) -> dict:
+    """A loop round's selection (`regen.select.stage.next_round`): aimed at the previous round's evaluation
+    (`eval-loop-(NN-1).json`), else `<run>/eval.json`; the draft to train on from is the one it measured. A round
+    interrupted after its selection is resumed (no new selection). Returns the round's record. Raises InputError
+    when the weakest policy has no evaluation to aim at."""
+    from regen.errors import InputError
+    from regen.render.stage import prompt_control_tokens
+    from regen.select.aim import update_round
+    from regen.select.stage import next_round
+    from regen.train.eval import resolve_draft_dir
+
+    rounds = (run.manifest(run.prompts) or {}).get("loop") or []
+    if rounds and rounds[-1].get("status") != "done":
+        log(f"loop round {rounds[-1]['round']}: resuming after {rounds[-1]['status']}")
+        return rounds[-1]
+    aimed = run.root / (f"eval-loop-{len(rounds):02d}.json" if rounds else "eval.json")
+    if loop.policy == "weakest" and not aimed.exists():
+        raise InputError(f"{aimed}: no evaluation to aim at; run `regen run` with train.eval_prompts > 0 (or "
+                         "`regen eval`) first")
+    rec = next_round(profile.select, run, seed=profile.seed, eval_path=aimed if aimed.exists() else None,
+                     budget_units=loop.budget_units, policy=loop.policy,
+                     heldout_fraction=profile.train.heldout_fraction, prior_requests=loop.prior_requests,
+                     control_tokens=prompt_control_tokens(render))
+    last = read_json(aimed) if aimed.exists() else None
+    rec = update_round(run, rec["round"], init_from=(last or {}).get("draft") or str(resolve_draft_dir(run.train)))
+    log(f"loop round {rec['round']} ({loop.policy}): {rec['prompts_added']} prompts, {rec['units_added']} of "
+        f"{loop.budget_units} units; reasoning in {run.root / rec['reasoning']}")
+    return rec
+
+
+def step_eval_round(train: TrainConfig, run: RunDir, name: str) -> dict:
+    """A loop round's evaluation: the draft of `<run>/train-loop-<name>` on the same held-out prompts as eval.json
+    (`regen.train.eval.run_eval`) -> `<run>/eval-loop-<name>.json`."""
+    from regen.train.eval import run_eval
+
+    return run_eval(train, run, draft_dir=run.root / f"train-loop-{name}", seed=train.seed,
+                    num_prompts=train.eval_prompts, max_new_tokens=train.eval_max_new_tokens, progress=False,
+                    out_path=run.root / f"eval-loop-{name}.json")
+
+
+# ---------------------------------------------------------------------------------------------- the job
+
+
+@dataclass
+class Job:
+    """What one pass over STEPS shares: the profile and run directory, how to report, each step's result so far
+    (`results`: step name -> its manifest or summary), and `loop`: the data loop's round when this pass is one."""
+
+    profile: Profile
+    run: RunDir
+    progress: bool = True
+    log: Callable[[str], None] = print
+    loop: LoopRound | None = None
+    results: dict = field(default_factory=dict)
+    render: RenderConfig = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.render = effective_render_config(self.profile.render, self.profile.serve)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of the job: `name` (pipeline.json, the `== name` log lines, the flow's task), `enabled(profile)`
+    (whether the profile turns it on), `run(job)` (what it runs; returns the stage's manifest or summary, or
+    {"skipped": reason} when it measured nothing), `needs` (a step whose {"skipped": ...} result leaves this one
+    out: there is nothing for it to compare with)."""
+
+    name: str
+    enabled: Callable[[Profile], bool]
+    run: Callable[[Job], dict]
+    needs: str | None = None
+
+
+def _select(job: Job) -> dict:
+    if job.loop is not None:
+        return step_next_selection(job.profile, job.run, job.loop, render=job.render, log=job.log)
+    return step_select(job.profile.select, job.run, seed=job.profile.seed, progress=job.progress, render=job.render)
+
+
+def _generate(job: Job) -> dict:
+    return step_generate(job.profile.generate, job.profile.serve, job.run, progress=job.progress, log=job.log)
+
+
+def _filter(job: Job) -> dict:
+    return step_filter(job.render, job.run, progress=job.progress)
+
+
+def _render(job: Job) -> dict:
+    return step_render(job.render, job.run, progress=job.progress)
+
+
+def _round_train(job: Job) -> tuple[TrainConfig, str]:
+    """A round's training config (from the draft its selection names, `train_steps` steps) and its number `NN`."""
+    rec, t = job.results["select"], job.profile.train
+    seed = t.seed if t.seed is not None else job.profile.seed
+    cfg = t.model_copy(update={"init_from": rec["init_from"], "seed": seed,
+                               **({"max_steps": job.loop.train_steps} if job.loop.train_steps else {})})
+    return cfg, f"{rec['round']:02d}"
+
+
+def _train(job: Job) -> dict:
+    if job.loop is None:
+        return step_train(job.profile.train, job.run)
+    cfg, name = _round_train(job)
+    return step_train(cfg, job.run, train_dir=job.run.root / f"train-loop-{name}")
+
+
+def _eval(job: Job) -> dict:
+    if job.loop is not None:
+        cfg, name = _round_train(job)
+        return step_eval_round(cfg, job.run, name)
+    ev = step_eval(job.profile.train, job.run)
+    job.log(eval_line(ev))
+    return ev
+
+
+def _serve(job: Job) -> dict:
+    return step_engine_eval(job.profile, job.run, log=job.log)
+
+
+def _trains(p: Profile) -> bool:
+    return p.train.enabled
+
+
+def _evaluates(p: Profile) -> bool:
+    return p.train.enabled and p.train.eval_prompts > 0
+
+
+def _serves(p: Profile) -> bool:  # the engine's measurement beside our own, on the same held-out prompts
+    return _evaluates(p) and p.serve.enabled and p.serve.engine_eval
+
+
+STEPS: tuple[Step, ...] = (
+    Step("select", lambda p: True, _select),
+    Step("generate", lambda p: True, _generate),
+    Step("filter", lambda p: True, _filter),
+    Step("render", lambda p: True, _render),
+    Step("train", _trains, _train),
+    Step("eval", _evaluates, _eval),
+    Step("serve", _serves, _serve, needs="eval"),
+)
+
+
+def steps(profile: Profile, results: dict) -> Iterator[Step]:
+    """The steps of STEPS that `profile` enables, in order, less those whose `needs` step did not run or returned
+    {"skipped": ...}. `results` (step name -> result) is read as the caller fills it: iterate lazily, running each
+    step before asking for the next. Every runner of the job (`run_pipeline`, `loop_round`, the Prefect flow)
+    iterates this, so they run the same steps."""
+    for step in STEPS:
+        if step.enabled(profile) and not (step.needs and "skipped" in results.get(step.needs, {"skipped": True})):
+            yield step
+
+
 @contextmanager
 def _timed(record: dict, name: str, log):
     t0 = time.time()
@@ -174,96 +345,64 @@ def _timed(record: dict, name: str, log):
         log(f"== {name} {status} in {record[name]['wall_s']:.1f}s")
 
 
+def run_steps(job: Job, **session) -> dict:
+    """Run `steps(job.profile, job.results)` on `job.run`, each timed; returns `job.results`. The session (its
+    steps' wall times and status, and `session`'s fields) is appended to `<run>/pipeline.json`, also on failure;
+    any stage error stops the pass (outputs written so far stay, and a rerun resumes)."""
+    timings: dict = {}
+    record = {"profile": job.profile.name, "started": time.time(), **session, "steps": timings}
+    try:
+        for step in steps(job.profile, job.results):
+            with _timed(timings, step.name, job.log):
+                job.results[step.name] = step.run(job)
+        record["status"] = "completed"
+    except BaseException as exc:
+        record["status"] = f"failed: {type(exc).__name__}"
+        raise
+    finally:
+        path = job.run.root / "pipeline.json"
+        state = read_json(path) or {"sessions": []}
+        state["sessions"].append(record)
+        write_json_atomic(state, path)
+    return job.results
+
+
 def run_pipeline(profile: Profile, run: RunDir, *, progress: bool = True, log=print, check: bool = True) -> dict:
-    """Run every enabled step of `profile` on `run`; returns {step: manifest or summary}.
+    """Run every enabled step of `profile` on `run` (`steps`); returns {step: manifest or summary}.
 
     First `regen.preflight.preflight` (unless `check=False`): one PreflightError (an InputError) listing every
     configuration problem of every step, before any request. Raises the stages' InputError on bad input; any
     stage error stops the pipeline (outputs written so far stay, and a rerun resumes).
     """
-    render = effective_render_config(profile.render, profile.serve)
     if check:
         preflight(profile, run, log=log)  # every stage's configuration, before the first request
-    timings: dict = {}
-    results: dict = {}
-    session = {"profile": profile.name, "started": time.time(), "steps": timings}
-    try:
-        with _timed(timings, "select", log):
-            results["select"] = step_select(profile.select, run, seed=profile.seed, progress=progress, render=render)
-        with _timed(timings, "generate", log):
-            results["generate"] = step_generate(profile.generate, profile.serve, run, progress=progress, log=log)
-        with _timed(timings, "filter", log):
-            results["filter"] = step_filter(render, run, progress=progress)
-        with _timed(timings, "render", log):
-            results["render"] = step_render(render, run, progress=progress)
-        if profile.train.enabled:
-            with _timed(timings, "train", log):
-                results["train"] = step_train(profile.train, run)
-            if profile.train.eval_prompts > 0:
-                with _timed(timings, "eval", log):
-                    results["eval"] = step_eval(profile.train, run)
-                    log(eval_line(results["eval"]))
-            if profile.serve.engine_eval and profile.serve.enabled and "skipped" not in results.get("eval", {}):
-                with _timed(timings, "serve", log):
-                    results["serve"] = step_engine_eval(profile, run, log=log)
-        session["status"] = "completed"
-    except BaseException as exc:
-        session["status"] = f"failed: {type(exc).__name__}"
-        raise
-    finally:
-        path = run.root / "pipeline.json"
-        state = read_json(path) or {"sessions": []}
-        state["sessions"].append(session)
-        write_json_atomic(state, path)
-    return results
+    return run_steps(Job(profile, run, progress=progress, log=log))
+
+
+def round_profile(profile: Profile) -> Profile:
+    """The profile a loop round runs: training and its evaluation on (train.eval_prompts, else 32 held-out
+    prompts: the round is measured to aim the next), the engine round trip off (the main job's)."""
+    train = profile.train.model_copy(update={"enabled": True, "eval_prompts": profile.train.eval_prompts or 32})
+    return profile.model_copy(update={"train": train, "serve": profile.serve.model_copy(update={"engine_eval": False})})
 
 
 def loop_round(profile: Profile, run: RunDir, *, budget_units: int, policy: str = "weakest",
                train_steps: int | None = None, prior_requests: float = 4.0, progress: bool = True, log=print) -> dict:
-    """One round of the data loop: the next selection aimed at the last evaluation
-    (`regen.select.aim.next_selection`), generate (only the new prompts' units: the ledger has the rest), filter,
-    render, train from the last draft (`train.init_from`, into `<run>/train-loop-NN`, `train_steps` or
-    train.max_steps steps on every shard), evaluate it on the same held-out prompts (`<run>/eval-loop-NN.json`).
+    """One round of the data loop: the job's STEPS on `round_profile(profile)` with the round's selection
+    (`step_next_selection`: aimed at the last evaluation, `regen.select.aim.next_selection`), generate (only the
+    new prompts' units: the ledger has the rest), filter, render, train from the last draft (`train.init_from`,
+    into `<run>/train-loop-NN`, `train_steps` or train.max_steps steps on every shard), evaluate it on the same
+    held-out prompts (`step_eval_round`: `<run>/eval-loop-NN.json`).
 
-    The evaluation aimed at is the previous round's (`eval-loop-(NN-1).json`), else `<run>/eval.json`; the last
-    draft is the one it measured. A round interrupted after its selection resumes at generate (the manifest's
-    `loop` record says how far it got). Returns the round's record (also in `prompts/manifest.json` and
-    `loop/round-NN.json`)."""
-    from regen.errors import InputError
-    from regen.render.stage import prompt_control_tokens
+    A round interrupted after its selection resumes at generate (the manifest's `loop` record says how far it
+    got). Returns the round's record (also in `prompts/manifest.json` and `loop/round-NN.json`)."""
     from regen.select.aim import update_round
-    from regen.select.stage import next_round
-    from regen.train.eval import resolve_draft_dir, run_eval
-    from regen.train.loop import run_train
 
-    render = effective_render_config(profile.render, profile.serve)
-    rounds = (run.manifest(run.prompts) or {}).get("loop") or []
-    if rounds and rounds[-1].get("status") != "done":
-        rec = rounds[-1]
-        log(f"loop round {rec['round']}: resuming after {rec['status']}")
-    else:
-        aimed = run.root / (f"eval-loop-{len(rounds):02d}.json" if rounds else "eval.json")
-        if policy == "weakest" and not aimed.exists():
-            raise InputError(f"{aimed}: no evaluation to aim at; run `regen run` with train.eval_prompts > 0 (or "
-                             "`regen eval`) first")
-        rec = next_round(profile.select, run, seed=profile.seed, eval_path=aimed if aimed.exists() else None,
-                         budget_units=budget_units, policy=policy, heldout_fraction=profile.train.heldout_fraction,
-                         prior_requests=prior_requests, control_tokens=prompt_control_tokens(render))
-        last = read_json(aimed) if aimed.exists() else None
-        rec = update_round(run, rec["round"], init_from=(last or {}).get("draft") or str(resolve_draft_dir(run.train)))
-        log(f"loop round {rec['round']} ({policy}): {rec['prompts_added']} prompts, {rec['units_added']} of "
-            f"{budget_units} units; reasoning in {run.root / rec['reasoning']}")
-    step_generate(profile.generate, profile.serve, run, progress=progress, log=log)
-    step_filter(render, run, progress=progress)
-    step_render(render, run, progress=progress)
+    loop = LoopRound(budget_units, policy=policy, train_steps=train_steps, prior_requests=prior_requests)
+    job = Job(round_profile(profile), run, progress=progress, log=log, loop=loop)
+    run_steps(job, loop={"policy": policy, "budget_units": budget_units})
+    rec, summary, ev = job.results["select"], job.results["train"], job.results["eval"]
     name = f"{rec['round']:02d}"
-    cfg = profile.train.model_copy(update={"init_from": rec["init_from"], "seed": profile.train.seed
-                                           if profile.train.seed is not None else profile.seed,
-                                           **({"max_steps": train_steps} if train_steps else {})})
-    summary = run_train(cfg, run, train_dir=run.root / f"train-loop-{name}")
-    ev = run_eval(cfg, run, draft_dir=run.root / f"train-loop-{name}", seed=cfg.seed,
-                  num_prompts=cfg.eval_prompts or 32, max_new_tokens=cfg.eval_max_new_tokens, progress=False,
-                  out_path=run.root / f"eval-loop-{name}.json")  # the same held-out prompts as eval.json
     rec = update_round(run, rec["round"], status="done", train_dir=f"train-loop-{name}", steps=summary["steps"],
                        eval=f"eval-loop-{name}.json", acc_len=ev["trained"]["acc_len"],
                        acc_len_per_request=ev["trained"].get("acc_len_per_request"))

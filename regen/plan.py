@@ -47,10 +47,11 @@ from types import SimpleNamespace
 import numpy as np
 
 from regen.config import Profile, resolve_path
+from regen.config.render import effective_render_config
 from regen.errors import InputError
 from regen.report.cells import cell_plan, mode_factor, out_tokens, print_cells, set_template_kwargs
 from regen.train.features.plan import feature_plan, host_plan
-from regen.preflight import PreflightError, check_profile, effective_render_config
+from regen.preflight import PreflightError, check_profile
 from regen.rundir import RunDir
 from regen.serve.engines import serving_rows, support_report
 from schemas.io import write_json_atomic

@@ -115,6 +115,40 @@ def resolve_path(value: str | None) -> Path | None:
     return p if p.is_absolute() else REPO_ROOT / p
 
 
+def local_model_config(raw: str | None, field_name: str, what: str, missing: str, rep) -> tuple[Path, dict] | None:
+    """For a stage's check: the local model directory a profile field names, and its `config.json` parsed.
+
+    Returns (path, config) or None after `rep.bad(line)` (a `regen.errors.CheckReport`) naming the field and the
+    fix: the field unset, an environment variable in it unset, not a directory, no `config.json` there (`missing`:
+    what to do then), a `config.json` that does not parse or is not a JSON object."""
+    import json
+
+    if not raw:
+        rep.bad(f"{field_name} is not set: give the local path of the {what}")
+        return None
+    path = resolve_path(raw)
+    if "$" in str(path):
+        rep.bad(f"{field_name} {raw!r}: the environment variable is not set; export it or pass "
+                f"--set {field_name}=/path/to/{what.replace(' ', '_')}")
+        return None
+    if not path.is_dir():
+        rep.bad(f"{field_name} {raw!r}: {path} is not a directory; give the local path of the {what}")
+        return None
+    file = path / "config.json"
+    if not file.is_file():
+        rep.bad(f"{field_name} {raw!r}: no config.json in {path}; {missing}")
+        return None
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        rep.bad(f"{field_name} {raw!r}: {file} does not parse as JSON ({exc})")
+        return None
+    if not isinstance(data, dict):
+        rep.bad(f"{field_name} {raw!r}: {file} is not a JSON object")
+        return None
+    return path, data
+
+
 def add_profile_arguments(parser: argparse.ArgumentParser, run_required: bool = True) -> None:
     """The arguments every stage takes: --profile, --run and repeated --set overrides."""
     parser.add_argument("--profile", default="local", help="profile name in data/profiles/ or a .yaml path")

@@ -19,8 +19,11 @@ Modules, in reading order:
     ray_runner.py    the same run split across Ray actors (loopback unless given a cluster)
     recheck.py       --recheck: the ok rows already held, judged by the current checks
     stage.py         the stage: resume checks (request config, policies), --repair, --recheck, --retry-errors,
-                     accounting
+                     accounting, `complete(cfg, run)` (nothing left to ask)
+    preflight.py     `check(cfg, run, rep)`: before a run, the endpoints and the key; `check_started` of a server
+                     the caller started
 
-Entry point: `regen.generate.stage.run_generate(cfg: GenerateConfig, run: RunDir)`; CLI `regen generate`.
+Entry point: `regen.generate.stage.run_generate(cfg: GenerateConfig, run: RunDir)`; CLI `regen generate`;
+its check before a run: `regen.generate.preflight.check(cfg, run, rep)`.
 For readers of generations/ (render, query): `regen.generate.ledger.check_parts(gen_dir)` verifies every listed part.
 """

@@ -254,6 +254,24 @@ def _prepare_locked(gen_dir: Path, repair: bool, retry_classes) -> dict:
     return out
 
 
+def complete(cfg: GenerateConfig, run: RunDir, *, verify_parts: bool = False) -> dict | None:
+    """What "complete" means: the generations manifest when `run_generate(cfg, run)` would return it without a
+    request, else None: a manifest marked complete with this request config (`config_hash`), no journal
+    (rows not yet in a part), no retry prepared (`retry.json`), and accounting from disk that balances with the
+    manifest's row count. `verify_parts`: first check every listed part's sha256 (`ledger.check_parts`: raises
+    InputError on a damaged part). Callers that must not start a server for nothing ask it first."""
+    gen_dir = run.generations
+    old = run.manifest(gen_dir)
+    if not (old and old.get("complete") and old.get("config_hash") == config_hash(cfg)):
+        return None
+    if list(gen_dir.glob("journal-*.jsonl")) or (gen_dir / "retry.json").exists():
+        return None
+    if verify_parts:
+        ledger_mod.check_parts(gen_dir, run.root)
+    acc = accounting(gen_dir, prompt_files(run))
+    return old if acc["balanced"] and acc["rows"] == old["accounting"]["rows"] else None
+
+
 def run_generate(cfg: GenerateConfig, run: RunDir, *, endpoints: list[str] | None = None,
                  ray_address: str | None = None, progress: bool = True, repair: bool = False,
                  retry_classes: tuple[str, ...] | list[str] | str | None = None) -> dict:
@@ -274,13 +292,8 @@ def run_generate(cfg: GenerateConfig, run: RunDir, *, endpoints: list[str] | Non
     gen_dir.mkdir(parents=True, exist_ok=True)
     stamp = check_identity(cfg, gen_dir)
     old = run.manifest(gen_dir)
-    asked = repair or retry_classes is not None
-    if (not asked and old and old.get("complete") and old.get("config_hash") == chash
-            and not list(gen_dir.glob("journal-*.jsonl")) and not (gen_dir / "retry.json").exists()):
-        ledger_mod.check_parts(gen_dir, run.root)
-        acc = accounting(gen_dir, files)
-        if acc["balanced"] and acc["rows"] == old["accounting"]["rows"]:
-            return old
+    if not (repair or retry_classes is not None) and (done := complete(cfg, run, verify_parts=True)):
+        return done
     urls = resolve_endpoints(cfg, endpoints)
     api_key = api_key_from_env(cfg)
     require_endpoints(urls, cfg.model, api_key, cfg.timeouts.connect)  # before any request, whoever called

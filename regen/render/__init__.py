@@ -26,8 +26,10 @@ Modules, in reading order:
                      by the stage into `shards-original/` (`RunDir.with_responses("original")`)
     export.py        `regen export`: shards or conversations to a path or fsspec URI
     show.py          `regen show-render`: one conversation from stdin, rendered and masked
+    preflight.py     `check(cfg, rep)`: before a run, the renderer and its tokenizer load
 
 Entry point: `regen.render.stage.run_render(cfg: RenderConfig, run: RunDir)`; `make_renderer(cfg)` is the public
 way for other stages to render (eval renders held-out prompts with it); `sample_prompt_side(renderer, messages,
 tools, template_kwargs)` counts a row's prompt side before its answer exists (`regen plan`). CLI `regen render`.
+Its check before a run: `regen.render.preflight.check(cfg, rep)`.
 """

@@ -19,6 +19,8 @@ Modules, in reading order:
     mix.py       the selection policy: per-category targets, caps, the seeded choice
     stage.py     the stage: exact + near dedup, the mix, outputs and manifest
     summary.py   what `regen select` prints when done: the mix, the accounting, the first reject per filter, notes
+    preflight.py `check(cfg, rep)`: before a run, the sources and contamination files exist
 
-Entry point: `regen.select.stage.run_select(cfg: SelectConfig, run: RunDir, *, seed)`; CLI `regen select`.
+Entry point: `regen.select.stage.run_select(cfg: SelectConfig, run: RunDir, *, seed)`; CLI `regen select`;
+its check before a run: `regen.select.preflight.check(cfg, rep)`.
 """

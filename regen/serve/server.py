@@ -160,6 +160,20 @@ def server_command(cfg: ServeConfig, model_name: str, port: int, engine: str | N
     return cmd + list(cfg.extra_args)
 
 
+def check(cfg: ServeConfig, rep) -> None:
+    """The embedded target's check before a run (`regen.preflight`): `serve.model_dir` names a local directory
+    whose `config.json` parses. Problems go to `rep` (a `regen.errors.CheckReport`), one line each with the fix.
+    Its endpoint cannot be asked before the run starts it: `regen.pipeline.step_generate` asks the started server's
+    `/models` (`regen.generate.preflight.check_started`) before the first request."""
+    from regen.config import local_model_config
+
+    found = local_model_config(cfg.model_dir, "serve.model_dir", "embedded target model",
+                               "run `bash scripts/setup.sh`", rep)
+    if found is not None:
+        rep.ok(f"serve.model_dir {found[0]}: config.json loads")
+    rep.ok("generate: the embedded target is started by the pipeline; its /models is checked once it is up")
+
+
 def served_generate(generate, serve: ServeConfig, log=None):
     """`generate` as the embedded target answers it: `model` = the served id (the model directory's name) and
     `served_by` = engine_identity(serve). Computed without starting the server (resume checks use it first)."""

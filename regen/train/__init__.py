@@ -23,7 +23,9 @@ Modules, in reading order:
     eval_cells.py    acc_len per category x length band x mode, per round and per request, per position
     sampling.py      speculative rejection sampling: temperature / top-p, residual, the verification rule
     verification.py  the served protocols: probabilistic / greedy drafting x token-level / block verification
+    preflight.py     `check(cfg, rep)`: before a run, the target, the draft it builds, features, warm start, tracking
 
 Entry points: `regen.train.loop.run_train(cfg: TrainConfig, run: RunDir)`, `regen.train.eval.run_eval(...)`;
 CLI `regen train`, `regen eval`; `python -m regen.train` / `torchrun ... -m regen.train -- ...`.
+Its check before a run: `regen.train.preflight.check(cfg, rep)` (returns the draft config it will train).
 """

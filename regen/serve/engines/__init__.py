@@ -42,6 +42,26 @@ def support_report(cfg) -> dict:
             for name, refused in support(cfg).items()}
 
 
+def check(cfg, engines, rep) -> None:
+    """The serving engines' check before a run (`regen.preflight`): the draft a profile will train (`cfg`, a
+    DSparkConfig: `regen.train.preflight.check` returns it) against every engine's contract. A problem on `rep` (a
+    `regen.errors.CheckReport`) for each engine of `engines` (`train.serve_engines`) that refuses it, with every
+    field and its remedy, and one when no engine can serve it at all."""
+    refused = support(cfg)
+    serves = [name for name, r in refused.items() if not r]
+    for name in engines:
+        if refused[name]:
+            rep.bad(f"train.serve_engines lists {name}, which cannot serve the draft this profile trains: "
+                    + "; ".join(r.line() for r in refused[name]))
+    if not serves:
+        rep.bad("train: no serving engine can load the draft this profile trains (docs/serve.md): "
+                + "; ".join(r.line() for rs in refused.values() for r in rs))
+    elif not any(refused[name] for name in engines):
+        others = [n for n in refused if n not in serves]
+        rep.ok(f"train: the draft will load in {', '.join(serves)}"
+               + (f" (not in {', '.join(others)})" if others else ""))
+
+
 def export_draft(draft: str | Path, engine: str, out: str | Path, *, target_gguf: str | Path | None = None,
                  target_path: str | None = None) -> dict:
     """Export the draft in `draft` (a step folder, `<run>/train` or a run directory) for `engine` into `out`.
