@@ -71,3 +71,13 @@ def test_the_local_profile_as_shipped_rehearses_with_its_reduced_draft_vocabular
     r = rehearse(load_profile("local", []))
     assert r["ok"], r["placement_errors"]
     assert r["optimizer_stepped"] and r["memory"]["rehearsed_total"] > 0
+
+
+def test_flex_attention_is_refused_saying_why_and_where_it_runs():
+    """flex_attention has no backward on CPU tensors, the rehearsal's stand-ins: refused before any step, naming the
+    GPU check that runs flex's step, not a traceback from inside the first layer."""
+    from regen.errors import InputError
+    from regen.report.rehearse import rehearse
+
+    with pytest.raises(InputError, match=r"no backward on CPU tensors.*gpu_check.sh --only k3_step --attention flex"):
+        rehearse(load_profile("kimi-k3", ["train.attention=flex"]))
