@@ -51,11 +51,10 @@ class StepLookahead:
             try:
                 step = next(self._steps, None)
                 self._pulled = (step, self.feed.state_dict(), None)
+                if step is not None and on_pulled is not None:
+                    on_pulled(step)
             except Exception as exc:  # noqa: BLE001 - raised by `take`, where the ranks agree on it
                 self._pulled = (None, None, exc)
-                return
-            if step is not None and on_pulled is not None:
-                on_pulled(step)
 
         self._thread = threading.Thread(target=pull, name="feed-lookahead", daemon=True)
         self._thread.start()

@@ -442,7 +442,7 @@ def _loop(cfg, info, train_dir, model, source, pool, opt, sched, feed, draft_cfg
         zero = pool.fetch_step(batch_step.microbatches) if pool is not None else set()  # agreed the same way
         stall0 = pool.features.stats["stall_s"] if pool is not None else 0.0
         if read_ahead and step + 1 < total_steps and (stop_after_steps is None or steps_here + 1 < stop_after_steps):
-            steps.pull_next(pool.submit)  # the next step's objects are read while this one computes
+            steps.pull_next(lambda s: pool.submit(s.microbatches, ahead=True))  # read while this one computes
         fetch_s = time.perf_counter() - t1
         for b, _, _ in mbs:
             if b["key"] in zero:  # its features failed on every attempt: trained with zero weight, ranks in step

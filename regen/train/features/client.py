@@ -222,8 +222,9 @@ class RemoteFeatures:
         error ends it: every micro-batch not read by then is handed over as zeros and the error as a breach."""
         import torch
 
-        if self.staging.device.type == "cuda":  # this thread's CUDA calls on the rank's device, not device 0
-            torch.cuda.set_device(self.staging.device)
+        dev = self.staging.device
+        if dev.type == "cuda":  # this thread's CUDA calls on the rank's device, not device 0
+            torch.cuda.set_device(dev if dev.index is not None else torch.cuda.current_device())
         while True:
             with self._cv:
                 while not self._stopping and (not self._todo or self._ahead >= self.read_ahead):

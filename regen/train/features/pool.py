@@ -168,6 +168,7 @@ class FeaturePool:
         self.info = None
         self.sizes: dict = {}
         self.zeroed: list[dict] = []
+        self.submitted_ahead = 0  # steps the loop submitted while the one before computed (read across steps)
         self.on_failure = "error"
 
     @classmethod
@@ -316,8 +317,10 @@ class FeaturePool:
         """train.producers.read_ahead: objects read ahead of compute by the client's reader thread (0: serial)."""
         return self.features.read_ahead if self.features is not None else 0
 
-    def submit(self, microbatches) -> None:
-        """Read-ahead: queue these micro-batches (a step's, in training order) for the reader (not collective)."""
+    def submit(self, microbatches, *, ahead: bool = False) -> None:
+        """Read-ahead: queue these micro-batches (a step's, in training order) for the reader (not collective);
+        `ahead`: the loop's early pull of the next step, counted (`steps_submitted_ahead` in the report)."""
+        self.submitted_ahead += int(ahead)
         self.features.submit(microbatches)
 
     def fetch_step(self, microbatches) -> set[tuple[int, int]]:
@@ -364,12 +367,16 @@ class FeaturePool:
         if self.info is not None and self.info.world_size > 1:
             zeroed = [None] * self.info.world_size
             control_all_gather_object(zeroed, mine)
+        # the trainer's wait for producers: serial, the long-poll before each step; read ahead, the compute thread's
+        # stall behind the reader (the reader's own long-poll overlaps compute: `reader_wait_s`)
+        wait = f["stall_s"] if self.read_ahead > 0 else f["wait_s"]
         out = {"zeroed_microbatches": sorted((z for r in zeroed for z in r), key=lambda z: (z["epoch"], z["index"])),
-               "objects": f["objects"], "bytes": f["bytes"], "wait_s": round(f["wait_s"], 3),
-               "first_wait_s": round(f["first_wait_s"] or 0.0, 3),
+               "objects": f["objects"], "bytes": f["bytes"], "wait_s": round(wait, 3),
+               "first_wait_s": round(min(wait, f["first_wait_s"] or 0.0), 3),
                "read_s": round(f["read_s"], 3), "failed_microbatches": f["failed"],
                "read_ahead": self.read_ahead, "stall_s": round(f["stall_s"], 3),
-               "data_wait_fraction": f["wait_s"] / step_s if step_s > 0 else 0.0,
+               "reader_wait_s": round(f["wait_s"], 3), "steps_submitted_ahead": self.submitted_ahead,
+               "data_wait_fraction": wait / step_s if step_s > 0 else 0.0,
                "feature_bytes_per_s": f["bytes"] / step_s if step_s > 0 else 0.0, **self.sizes}
         st = self.features.staging.stats  # regen.train.features.staging: host copies, device copies, residency
         out["staging"] = {k: st[k] for k in ("store_reads_into_slots", "host_copies", "host_bytes", "device_copies",
