@@ -66,7 +66,6 @@ def train_step(model, target, opt, microbatches, *, loss_weights=(0.1, 0.9, 1.0)
     # Σ over ranks, per micro-batch slot: host values (one read per step), agreed on the control plane
     local_host = torch.stack(local_w).double().cpu() if local_w else torch.zeros(0, dtype=torch.float64)
     global_w = control_all_reduce_sum(local_host.clone(), "the step's loss weights").tolist()
-    local_host = local_host.tolist()
     step_w = sum(global_w)
     # remote features reading ahead of compute: a micro-batch's features may be lost after the weights were agreed
     lost_of = getattr(target, "lost", None) if getattr(target, "read_ahead", 0) > 0 else None
@@ -87,7 +86,7 @@ def train_step(model, target, opt, microbatches, *, loss_weights=(0.1, 0.9, 1.0)
         if lost_of is not None:
             if lost_of(batch) is not None:  # zero features: trained with zero weight, every rank in step
                 zero_loss(batch)
-                lost[i] = local_host[i]
+                lost[i] = float(local_host[i])  # a host tensor: no device read
             if loss_normalization == "micro_batch":  # this micro-batch's own divisor, agreed before its loss
                 gone = control_all_reduce_sum(torch.tensor([lost[i]], dtype=torch.float64),
                                               "a micro-batch's lost loss weight").tolist()[0]

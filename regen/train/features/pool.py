@@ -315,7 +315,7 @@ class FeaturePool:
     @property
     def read_ahead(self) -> int:
         """train.producers.read_ahead: objects read ahead of compute by the client's reader thread (0: serial)."""
-        return self.features.read_ahead if self.features is not None else 0
+        return getattr(self.features, "read_ahead", 0)
 
     def submit(self, microbatches, *, ahead: bool = False) -> None:
         """Read-ahead: queue these micro-batches (a step's, in training order) for the reader (not collective);
