@@ -19,11 +19,14 @@ itself there. Sections, all in one run on this machine:
    producer rows/s (per second of a producer's own work) and CPU-s per row, trainer rows/s and CPU-s per row with
    the features already in the store (the loop's time less its wait for producers).
 
-4. overlap: a step of K3-shaped objects read from the store and staged (`regen.train.features.staging`) with a
-   synthetic compute of about a read's duration on each, serial vs the next object's read overlapped with the
-   current compute (a thread), in the same run: step seconds and their ratio; copies, device bytes and the most
-   objects resident on the device per mode. On CPU (the device is the host) it measures the store's read into a
-   host slot overlapped with compute; on a GPU also the device copy, issued one micro-batch ahead as the trainer does.
+4. overlap: steps of 4 K3-shaped micro-batches through the trainer's own client (`RemoteFeatures`, a real
+   dispatcher and store, the objects produced before the clock starts), each a synthetic compute of about one
+   read's duration: with the features resident (compute only), serial (`train.producers.read_ahead` 0: a step's
+   objects read before its compute) and overlapped (read_ahead 2: the client's reader thread reads ahead while
+   the micro-batch computes, the next step submitted at this one's start), in the same run: seconds per step and
+   their ratios, the compute thread's stall, host slots, copies and the most objects resident on the device per
+   mode. On CPU (the device is the host) it measures the store's read into a host slot overlapped with compute;
+   on a GPU also the device copy, issued one micro-batch ahead as the trainer does.
 5. value_check: the cost of refusing non-finite feature values (`regen.train.features.contract.check_values`, run
    on every object the trainer reads) on one K3-shaped row of `--k3-tokens` tokens: seconds per object, GiB/s,
    and its share of the time to copy the same bytes out of a buffer.
@@ -189,108 +192,141 @@ def k3_stream(tokens: int, objects: int, tmp: Path, grad_accum: int = 4) -> dict
             "device_resident_objects_max": stats["resident_max"]}
 
 
-def overlap(tokens: int, objects: int, tmp: Path) -> dict:
-    """One step of `objects` micro-batches, each a K3-shaped object read from a Mooncake store and staged as
-    `RemoteFeatures.fetch` does (`get_into` a registered host slot, header, locate; CUDA: the device copy), then a
-    synthetic compute of about the read's duration on its features, then released. Serial: read i, compute i.
-    Overlapped: a thread reads and stages i+1 while i computes. Both in this run, on the same objects; ratio =
-    overlapped / serial step time (0.5 would be a perfect overlap of equal halves). On CPU the device is the
-    host: what overlaps is the store's read with compute, which the trainer does not do yet (it reads a step's
-    objects before the step); on a GPU the copy to the device also overlaps, as the trainer does it."""
-    from concurrent.futures import ThreadPoolExecutor
+def overlap(tokens: int, steps: int, tmp: Path, grad_accum: int = 4, read_ahead: int = 2) -> dict:
+    """`steps` steps of `grad_accum` K3-shaped micro-batches through the trainer's own client (`RemoteFeatures`, a
+    real dispatcher and Mooncake store, every object produced before the clock starts), each micro-batch a synthetic
+    compute of about one object's read on its features, then released, as `train_step` does. Three runs in this
+    process on the same objects: `resident` (compute only: the features already on hand), `serial`
+    (train.producers.read_ahead 0: `fetch` reads a step's objects, then its compute) and `overlapped` (read_ahead
+    `read_ahead`: the reader thread reads ahead while the micro-batch computes, the next step submitted at this
+    one's start, as the loop does). Seconds per step after the first (which fills the host slots: its pages are
+    faulted in once); ratios overlapped / serial and each / resident (1.0 = the reads fully hidden).
+    On CPU the device is the host: what overlaps is the store's read into a host slot; on a GPU the device copy too."""
+    from types import SimpleNamespace
 
     import torch
 
+    from regen.train.features.client import RemoteFeatures
     from regen.train.features.contract import FeatureSpec, encode, make_header, object_nbytes, read_header
+    from regen.train.features.dispatcher import Dispatcher, post
     from regen.train.features.staging import Staging
     from regen.train.features.store import MooncakeMaster, StoreClient
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     spec = FeatureSpec("regen/bench-k3", (7, 31, 47, 63, 87), "attn_res", "bfloat16", 7168, 93, "k3-shape")
     size = object_nbytes(1, tokens, spec)
-    ids = torch.full((1, tokens), 5, dtype=torch.long)
-    h = make_header(spec, epoch=0, index=0, attempt=0, sample_ids=["k3"], input_ids=ids,
-                    attention_mask=torch.ones(1, tokens, dtype=torch.bool), producer={"id": "p", "engine": "bench"},
-                    stream_reading="bench")
-    parts, n = encode(h, torch.randn(1, tokens, 5 * 7168).to(torch.bfloat16),
-                      torch.randn(1, tokens, 7168).to(torch.bfloat16))
+    n_obj = steps * grad_accum
+    mbs = [SimpleNamespace(epoch=0, index=g, input_ids=torch.full((1, tokens), 5 + g, dtype=torch.long),
+                           attention_mask=torch.ones(1, tokens, dtype=torch.bool), sample_ids=[f"k3-{g}"])
+           for g in range(n_obj)]
+    taps = torch.randn(1, tokens, 5 * 7168).to(torch.bfloat16)
+    last = torch.randn(1, tokens, 7168).to(torch.bfloat16)
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the compute on one core, the read on the other
+    torch.set_num_threads(1)  # the compute on one core, the reads on the other
     w = torch.randn(1024, 1024, device=device)
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def compute(t, iters):
+        x = t[0, :, :1024].float()
+        for _ in range(iters):
+            x = torch.tanh(x @ w)
+        sync()
+
+    out = {"device": str(device), "object_bytes": size, "objects": n_obj, "steps": steps, "grad_accum": grad_accum,
+           "read_ahead": read_ahead}
     with MooncakeMaster(tmp / "master-overlap.log") as master:
-        trainer = StoreClient(master.address, segment_bytes=max(16 << 20, (objects + 1) * size),
+        trainer = StoreClient(master.address, segment_bytes=max(16 << 20, (n_obj + 1) * size),
                               local_buffer_bytes=max(64 << 20, 3 * size))
         producer = StoreClient(master.address, segment_bytes=0, local_buffer_bytes=max(64 << 20, 2 * size))
-        keys = [f"bench/overlap/{i}" for i in range(objects)]
-        for k in keys:
-            producer.put(k, parts, n, preferred_segment=trainer.segment)
-
-        def read(i, staging):  # as RemoteFeatures.fetch: get_into a registered host slot, header, locate
+        parts_of = {}
+        for mb in mbs:
+            h = make_header(spec, epoch=0, index=mb.index, attempt=0, sample_ids=mb.sample_ids,
+                            input_ids=mb.input_ids, attention_mask=mb.attention_mask,
+                            producer={"id": "p", "engine": "bench"}, stream_reading="bench")
+            parts_of[mb.index] = (h, *encode(h, taps, last))
+        # calibration: one object read into a host slot as the client does, and one compute iteration
+        key = "bench/overlap/probe"
+        h, parts, n = parts_of[0]
+        producer.put(key, parts, n, preferred_segment=trainer.segment)
+        probe = Staging(device, register=trainer.register, unregister=trainer.unregister)
+        for _ in range(2):  # the second read into the same slot: as in steady state (the first one faults it in)
             t = time.perf_counter()
-            staged, view = staging.stage_into(lambda buf: trainer.get_into(keys[i], buf, n), n, i)
-            staging.locate(staged, read_header(view))
+            staged, view = probe.stage_into(lambda buf: trainer.get_into(key, buf, n), n, 0)
+            probe.locate(staged, read_header(view))
             del view
-            return staged, time.perf_counter() - t
-
-        def new_staging():
-            return Staging(device, register=trainer.register, unregister=trainer.unregister)
-
-        def sync():
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-
-        def compute(taps, iters):
-            x = taps[0, :, :1024].float()
-            for _ in range(iters):
-                x = torch.tanh(x @ w)
-            sync()
-
-        probe = new_staging()
-        staged, read_s = read(0, probe)
-        taps, _ = probe.ready(staged)
+            read_s = time.perf_counter() - t
+            probe.discard(staged)
+        staged, view = probe.stage_into(lambda buf: trainer.get_into(key, buf, n), n, 0)
+        probe.locate(staged, read_header(view))
+        del view
+        feats, _ = probe.ready(staged)
         t = time.perf_counter()
-        compute(taps, 1)
+        compute(feats, 1)
         one = time.perf_counter() - t
         probe.release(staged)
-        probe.close()  # its slots unregistered from the store before they are freed
+        probe.close()
+        trainer.remove([key])
         iters = max(1, round(read_s / max(one, 1e-6)))
-        out = {"device": str(device), "object_bytes": size, "objects": objects, "compute_iters": iters}
-        for mode in ("serial", "overlapped"):
-            staging = new_staging()
-            reads, computes = [], []
-            t0 = time.perf_counter()
-            if mode == "serial":
-                for i in range(objects):
-                    staged, r = read(i, staging)
-                    reads.append(r)
+        out.update({"probe_read_s": read_s, "compute_iters": iters})
+
+        resident = taps.to(device)
+        t0 = time.perf_counter()
+        for _ in range(n_obj):
+            compute(resident, iters)
+        out["resident"] = {"step_s": (time.perf_counter() - t0) / steps}  # compute only: every step alike
+        del resident
+
+        for mode, ra in (("serial", 0), ("overlapped", read_ahead)):
+            d = Dispatcher(iter([(0, m.index, m, 0) for m in mbs]), spec, store=trainer, segments=[trainer.segment],
+                           budget_bytes=(n_obj + 1) * size, max_ahead=n_obj).start()
+            pid = post(d.url, "/register", {"engine": "bench", "engine_version": "0", "host": "bench", "pid": 0})[
+                "producer_id"]
+            for _ in mbs:  # every object in the store before the clock starts: the producers are not measured
+                item = post(d.url, "/lease", {"producer_id": pid, "wait_s": 2})["item"]
+                h, parts, n = parts_of[item["index"]]
+                producer.put(item["key"], parts, n, preferred_segment=item["preferred_segment"])
+                post(d.url, "/complete", {"producer_id": pid, "lease_id": item["lease_id"], "key": item["key"],
+                                          "header": h})
+            head = SimpleNamespace(device=str(device), final_norm=lambda x: x)
+            client = RemoteFeatures(d.url, trainer, spec, head, device, read_ahead=ra)
+            computes, step_times = [], []
+            for at in range(0, n_obj, grad_accum):
+                t0 = time.perf_counter()
+                step = mbs[at:at + grad_accum]
+                if ra:
+                    client.submit(step)
+                    client.submit(mbs[at + grad_accum:at + 2 * grad_accum])  # the next step, as the loop pulls it
+                else:
+                    client.fetch(step)
+                for mb in step:
+                    feats, _ = client.features_of({"key": (0, mb.index)})
                     t = time.perf_counter()
-                    compute(staging.ready(staged)[0], iters)
+                    compute(feats, iters)
                     computes.append(time.perf_counter() - t)
-                    staging.release(staged)
-            else:
-                with ThreadPoolExecutor(1) as ex:
-                    nxt = ex.submit(read, 0, staging)
-                    for i in range(objects):
-                        staged, r = nxt.result()
-                        reads.append(r)
-                        if i + 1 < objects:
-                            nxt = ex.submit(read, i + 1, staging)
-                        t = time.perf_counter()
-                        compute(staging.ready(staged)[0], iters)
-                        computes.append(time.perf_counter() - t)
-                        staging.release(staged)
-            out[mode] = {"step_s": time.perf_counter() - t0, "read_s_per_object": sum(reads) / objects,
-                         "compute_s_per_object": sum(computes) / objects,
-                         "host_copies_per_object": staging.stats["host_copies"] / objects,
-                         "store_reads_into_slots_per_object": staging.stats["store_reads_into_slots"] / objects,
-                         "device_bytes_per_object": staging.stats["device_bytes"] / objects,
-                         "device_resident_objects_max": staging.stats["resident_max"],
-                         "host_slots": len(staging.host)}
-            staging.close()
+                    client.release({"key": (0, mb.index)})
+                step_times.append(time.perf_counter() - t0)
+            st = client.staging.stats
+            timed = step_times[1:] or step_times  # the first step fills (and faults in) the host slots: left out
+            out[mode] = {"step_s": sum(timed) / len(timed), "first_step_s": step_times[0],
+                         "read_s_per_object": client.stats["read_s"] / n_obj,
+                         "compute_s_per_object": sum(computes) / n_obj,
+                         "stall_s_per_step": client.stats["stall_s"] / steps,
+                         "store_reads_into_slots_per_object": st["store_reads_into_slots"] / n_obj,
+                         "host_copies_per_object": st["host_copies"] / n_obj,
+                         "device_bytes_per_object": st["device_bytes"] / n_obj,
+                         "device_resident_objects_max": st["resident_max"], "host_slots": len(client.staging.host),
+                         "host_slot_bytes_max": st["host_slot_bytes_max"]}
+            client.close()
+            d.stop()
         producer.close()
         trainer.close()
     torch.set_num_threads(threads)
     out["overlapped_vs_serial"] = out["overlapped"]["step_s"] / out["serial"]["step_s"]
+    out["serial_vs_resident"] = out["serial"]["step_s"] / out["resident"]["step_s"]
+    out["overlapped_vs_resident"] = out["overlapped"]["step_s"] / out["resident"]["step_s"]
     out["measures"] = ("the store's read into a host slot overlapped with compute (CPU: the device is the host)"
                        if device.type == "cpu" else
                        "the store's read into a pinned host slot + the device copy overlapped with compute")
@@ -382,7 +418,7 @@ def main(argv=None) -> int:
         if args.quick:
             target = mod.tiny_target(tmp / "tiny")
             sizes, reps, k3_tokens, k3_objects = [256 << 10, 1 << 20, 4 << 20], 5, args.k3_tokens or 64, 8
-            k3_overlap = 4
+            k3_overlap = 2  # steps of 4 micro-batches
             steps, rows, length = args.steps or 6, 24, 64
             train = {"target_layer_ids": [0, 1, 2], "num_draft_layers": 1, "markov_rank": 16, "num_anchors": 8,
                      "max_len": 64, "max_tokens": 256, "max_batch": 4}
@@ -404,7 +440,7 @@ def main(argv=None) -> int:
         (tmp / "e2e.yaml").write_text(yaml.safe_dump({"name": "bench-features", "train": train}))
         sections = {"transport": lambda: transport(sizes, reps, tmp),
                     "k3_stream": lambda: k3_stream(k3_tokens, k3_objects, tmp),
-                    "overlap": lambda: overlap(k3_tokens, k3_overlap, tmp),
+                    "overlap": lambda: overlap(k3_tokens, k3_overlap, tmp),  # steps of 4 micro-batches
                     "value_check": lambda: value_check(k3_tokens),
                     "end_to_end": lambda: end_to_end(target, steps, rows, length, tmp,
                                                      ["train.producers.num_local=2",
@@ -436,10 +472,13 @@ def main(argv=None) -> int:
               f"at most {k['device_resident_objects_max']} object(s) resident on the device", file=sys.stderr)
     if "overlap" in result:
         o = result["overlap"]
-        print(f"overlap, a step of {o['objects']} K3-shaped objects ({o['measures']}): serial "
-              f"{o['serial']['step_s']:.3f} s, overlapped {o['overlapped']['step_s']:.3f} s = "
-              f"{o['overlapped_vs_serial']:.2f}x (read {o['serial']['read_s_per_object']:.3f} s, compute "
-              f"{o['serial']['compute_s_per_object']:.3f} s per object, serial)", file=sys.stderr)
+        print(f"overlap, {o['steps']} steps of {o['grad_accum']} K3-shaped objects of {o['object_bytes'] / GiB:.3f} "
+              f"GiB ({o['measures']}): step {o['resident']['step_s']:.3f} s with the features resident, serial "
+              f"(read_ahead 0) {o['serial']['step_s']:.3f} s = {o['serial_vs_resident']:.2f}x, overlapped "
+              f"(read_ahead {o['read_ahead']}) {o['overlapped']['step_s']:.3f} s = {o['overlapped_vs_resident']:.2f}x; "
+              f"overlapped / serial {o['overlapped_vs_serial']:.2f} (read {o['serial']['read_s_per_object']:.3f} s, "
+              f"compute {o['serial']['compute_s_per_object']:.3f} s per object; host slots "
+              f"{o['serial']['host_slots']} serial, {o['overlapped']['host_slots']} overlapped)", file=sys.stderr)
     if "value_check" in result:
         v = result["value_check"]
         print(f"non-finite value check of a K3-shaped row of {v['tokens_per_row']} tokens: "

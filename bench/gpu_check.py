@@ -357,6 +357,17 @@ def section_store_step(args, device, info) -> dict:
         step_s, r = kb.step(remote, mbs)
         stats = dict(remote.staging.stats)
         remote.close()
+        # the same step read ahead (train.producers.read_ahead 2): the reader thread reads while micro-batches compute
+        ahead = RemoteFeatures("http://gpu-check", store, spec, SimpleNamespace(device=device), device, read_ahead=2)
+        kb.sync()
+        t = time.perf_counter()
+        ahead.submit([SimpleNamespace(epoch=b["key"][0], index=b["key"][1], input_ids=b["input_ids"].cpu(),
+                                      sample_ids=["x"], attention_mask=b["attention_mask"].cpu()) for b, _, _ in mbs])
+        kb.step(ahead, mbs)
+        overlap_s = time.perf_counter() - t  # from the submit to the step's end: the reads inside it
+        ahead_stats = {"stall_s": round(ahead.stats["stall_s"], 3), "host_slots": len(ahead.staging.host),
+                       "resident_max": ahead.staging.stats["resident_max"]}
+        ahead.close()
     finally:
         client_mod.post = real_post
     obj_bytes = len(next(iter(store.objects.values())))
@@ -364,6 +375,8 @@ def section_store_step(args, device, info) -> dict:
             "object_gib": round(obj_bytes / GiB, 3), "resident_step_s": round(resident_s, 3),
             "store_fetch_s": round(fetch_s, 3), "store_step_s": round(step_s, 3),
             "store_total_over_resident": round((fetch_s + step_s) / resident_s, 3),
+            "store_read_ahead_step_s": round(overlap_s, 3),
+            "store_read_ahead_over_resident": round(overlap_s / resident_s, 3), "store_read_ahead": ahead_stats,
             "resident_max": stats.get("resident_max"), "pinned_bytes": stats.get("pinned_bytes"),
             "pinned_gib_per_object": round((stats.get("pinned_bytes") or 0) / GiB / A, 3), "staging": stats,
             "finite": bool(r["finite"]), "ok": bool(r["finite"]) and stats.get("resident_max", 0) <= 2}

@@ -61,6 +61,10 @@ class ProducersConfig(BaseModel):
     budget_bytes: Bytes = Field(0, ge=0, description="bytes of feature objects produced ahead and not yet consumed, "
                               "leases included (0 = 8 of the largest objects)")
     max_ahead: int = Field(64, ge=1, description="micro-batches planned ahead of the trainer at most")
+    read_ahead: int = Field(2, ge=0, description="feature objects a rank reads out of the store ahead of the "
+                            "micro-batch computing, in a reader thread, across step boundaries (the store's reads "
+                            "overlap compute; host slots: read_ahead on a GPU, + 1 on CPU); 0 = every object of a "
+                            "step read before its first forward (host slots: train.grad_accum)")
     max_attempts: int = Field(3, ge=1, description="attempts (failures or producer deaths) before a micro-batch's "
                               "features count as failed")
     on_failure: Literal["error", "zero_loss"] = Field("error", description="a micro-batch that failed on every "

@@ -35,7 +35,7 @@ from regen.config import add_profile_arguments, load_profile_from_args
 from regen.errors import InputError
 from regen.train import warm_start
 from regen.train.periodic_eval import TrainHooks
-from regen.train.step import reduce_metrics, train_step  # noqa: F401 - the loop's step, importable from here
+from regen.train.step import reduce_metrics, train_step, zero_loss  # noqa: F401 - the loop's step, importable here
 
 log = logging.getLogger(__name__)
 
@@ -218,18 +218,6 @@ def prepare_microbatch(mb, seed: int, draft_cfg, device, t2d=None):
              "num_tokens": int(mb.attention_mask.sum()),  # counted on the host copy: no device read
              "slot_layout": layout.to(device)}
     return batch, anchors.to(device), keep.to(device)
-
-
-def zero_loss(batch: dict) -> None:
-    """Train `batch` with zero weight (its features failed on every attempt, `on_failure: zero_loss`): its loss
-    mask zeroed and its slot layout emptied to match."""
-    import torch
-
-    from regen.train.loss import SlotLayout
-
-    batch["loss_mask"] = torch.zeros_like(batch["loss_mask"])
-    if "slot_layout" in batch:
-        batch["slot_layout"] = SlotLayout.empty(batch["slot_layout"].num_slots, batch["loss_mask"].device)
 
 
 def run_train(cfg, run, *, follow: bool = False, stop_after_steps: int | None = None,
@@ -433,12 +421,16 @@ def _loop(cfg, info, train_dir, model, source, pool, opt, sched, feed, draft_cfg
     if info.is_main and (train_dir / "stopped.json").exists():  # the last run's stop (regen.train.guard): said, gone
         log.info("the previous run stopped: %s", json.loads((train_dir / "stopped.json").read_text())["message"])
         (train_dir / "stopped.json").unlink()
-    steps = feed.steps(num_epochs=num_epochs)
+    from regen.train.lookahead import StepLookahead
+
+    # the feed's steps; with read-ahead the next one is pulled while this one trains, the position stays exact
+    steps = StepLookahead(feed, num_epochs)
+    read_ahead = pool is not None and pool.read_ahead > 0
     divergence = DivergenceMonitor()
     while step < total_steps and (stop_after_steps is None or steps_here < stop_after_steps):
         t0, error, mbs = time.perf_counter(), None, []
         try:  # a bad shard or row on one rank stops every rank now, not at the process-group timeout
-            batch_step = next(steps, None)  # pulled only when it will be trained: the feed position advances here
+            batch_step = steps.take()  # the position (steps.state_dict(), checkpointed) advances here
             if batch_step is not None:
                 mbs = [prepare_microbatch(mb, seed, draft_cfg, info.device, t2d) for mb in batch_step.microbatches]
         except Exception as exc:  # noqa: BLE001 - agreed on by every rank, then raised on every rank
@@ -448,13 +440,20 @@ def _loop(cfg, info, train_dir, model, source, pool, opt, sched, feed, draft_cfg
             break
         t1 = time.perf_counter()
         zero = pool.fetch_step(batch_step.microbatches) if pool is not None else set()  # agreed the same way
+        stall0 = pool.features.stats["stall_s"] if pool is not None else 0.0
+        if read_ahead and step + 1 < total_steps and (stop_after_steps is None or steps_here + 1 < stop_after_steps):
+            steps.pull_next(lambda s: pool.submit(s.microbatches, ahead=True))  # read while this one computes
         fetch_s = time.perf_counter() - t1
         for b, _, _ in mbs:
             if b["key"] in zero:  # its features failed on every attempt: trained with zero weight, ranks in step
                 zero_loss(b)
         m = train_step(model, source, opt, mbs, loss_weights=tuple(cfg.loss_weights), grad_clip=cfg.grad_clip,
                        loss_normalization=cfg.loss_normalization)
+        if read_ahead:  # the wait for features inside the step: the reader was behind
+            fetch_s += pool.features.stats["stall_s"] - stall0
         if not m["finite"]:  # every rank agreed (train_step): stop before anything is saved
+            if pool is not None:  # a feature failure or read error of the step: raised as itself on every rank
+                pool.raise_if_failed()
             raise_nonfinite(step + 1, m, batch_step, ckpt, info, train_dir)  # regen.train.guard
         sched.step()
         step, steps_here = step + 1, steps_here + 1
@@ -481,14 +480,14 @@ def _loop(cfg, info, train_dir, model, source, pool, opt, sched, feed, draft_cfg
             hooks.log(rec)
         hooks.after_step(step, model)
         if cfg.checkpoint_every > 0 and step % cfg.checkpoint_every == 0 and step < total_steps:
-            ckpt = save_checkpoint(train_dir, step, model, opt, sched, feed, training=training_meta,
+            ckpt = save_checkpoint(train_dir, step, model, opt, sched, steps, training=training_meta,
                                    keep=cfg.keep_checkpoints)
 
     # -- checkpoint -----------------------------------------------------------------------------------------
     hooks.after_step(step, model, final=True)  # the last step's estimate (and best) before the final checkpoint
     loop_s = time.perf_counter() - t_start
     if ckpt is None or not ckpt.name.endswith(f"{step:06d}"):
-        ckpt = save_checkpoint(train_dir, step, model, opt, sched, feed, training=training_meta,
+        ckpt = save_checkpoint(train_dir, step, model, opt, sched, steps, training=training_meta,
                                keep=cfg.keep_checkpoints)
     totals = control_all_reduce_sum(totals, "the run's totals")
     summary = {
@@ -499,7 +498,7 @@ def _loop(cfg, info, train_dir, model, source, pool, opt, sched, feed, draft_cfg
         "elapsed_s": time.perf_counter() - t_start,
         "loss_first": history[0]["loss"] if history else None, "loss_last": history[-1]["loss"] if history else None,
         "tau_probabilistic_last": history[-1]["tau_probabilistic"] if history else None,
-        "checkpoint": str(ckpt), "feed": feed.state_dict(), "feed_stats": feed.stats, "seed": seed,
+        "checkpoint": str(ckpt), "feed": steps.state_dict(), "feed_stats": feed.stats, "seed": seed,
         "draft_vocab": vocab_report, "dtype": training_meta["dtype"], "features_from": cfg.features,
         "divergence_warnings": divergence.warnings, "resume": training_meta["resume"],
         "target_memory_bytes_per_rank": target.memory_bytes,

@@ -25,8 +25,9 @@ upper bound: every slot supervised) and a chunk's transients, `LOSS_CHUNK_BUFFER
 arithmetic (the rehearsal's fake-tensor peak, regen.train.rehearse; p_t itself is computed once per distinct
 position, a contiguous range of about slots/K rows).
 Features: with producers (`train.features: producers`) at most `DEVICE_RESIDENT_OBJECTS` (2) objects are on the
-device (the micro-batch computing and the next one's copy; `regen.train.features.staging`); a step's grad_accum
-objects wait in pinned host slots, counted apart as host memory (`host_memory_bytes`: the slots, exact, and the
+device (the micro-batch computing and the next one's copy; `regen.train.features.staging`); the objects read
+ahead (`train.producers.read_ahead` of them on a GPU, or a step's grad_accum when it is 0) wait in pinned host slots, counted
+apart as host memory (`host_memory_bytes`: the slots, exact, and the
 store's segment and transfer buffer; `tray_host_check` against a GB200 tray). In process: the one
 micro-batch's features the target just computed.
 Not counted: the CUDA context, NCCL and cuBLAS workspaces, allocator fragmentation with varying row lengths
@@ -120,13 +121,25 @@ def largest_object_bytes(cfg, *, tokens: int, max_batch: int = 1, feature_bytes:
     return _PREFIX.size + header_reserve(max_batch) + feature_object_bytes(cfg, tokens, feature_bytes)
 
 
-def host_staging_bytes(cfg, *, tokens: int, grad_accum: int, max_batch: int = 1, feature_bytes: int = 2) -> int:
-    """Page-locked host memory per rank of the producers' client: one reused host slot per micro-batch of a step
-    (every object of a step is read out of the store before its first forward, so failures are agreed first), each
-    as large as the largest object it held: grad_accum x `largest_object_bytes`. Exact, not a lower bound: each slot
-    is one plain host allocation of the object's size registered with `cudaHostRegister`
+def host_slots(*, grad_accum: int, read_ahead: int, gpu: bool = True) -> int:
+    """Host slots of the producers' client (`regen.train.features.staging`). With a reader thread reading
+    `read_ahead` objects ahead of the micro-batch computing, whatever grad_accum: on a GPU read_ahead (the next
+    object's device copy is issued as soon as it is staged, and its slot is read into again once that copy is
+    done), on CPU read_ahead + 1 (the slot is the object's memory until the loss releases it). With read_ahead 0:
+    grad_accum (every object of a step read out of the store before its first forward)."""
+    if read_ahead <= 0:
+        return grad_accum
+    return read_ahead if gpu else read_ahead + 1
+
+
+def host_staging_bytes(cfg, *, tokens: int, grad_accum: int, max_batch: int = 1, feature_bytes: int = 2,
+                       read_ahead: int = 0, gpu: bool = True) -> int:
+    """Page-locked host memory per rank of the producers' client: `host_slots` reused host slots, each as large as
+    the largest object it held: host_slots x `largest_object_bytes`. Exact, not a lower bound: each slot is one
+    plain host allocation of the object's size registered with `cudaHostRegister`
     (`regen.train.features.staging.pin_host`), not the caching host allocator's power-of-two block."""
-    return grad_accum * largest_object_bytes(cfg, tokens=tokens, max_batch=max_batch, feature_bytes=feature_bytes)
+    return (host_slots(grad_accum=grad_accum, read_ahead=read_ahead, gpu=gpu)
+            * largest_object_bytes(cfg, tokens=tokens, max_batch=max_batch, feature_bytes=feature_bytes))
 
 
 # A GB200 NVL72 compute tray: 2 GB200 superchips, each 1 Grace CPU with up to 480 GB LPDDR5X and 2 Blackwell GPUs
@@ -141,14 +154,14 @@ HOST_COUNTED_SHARE = 0.8
 
 
 def host_memory_bytes(cfg, *, tokens: int, grad_accum: int, max_batch: int, segment_bytes: int,
-                      transfer_buffer_bytes: int, feature_bytes: int = 2) -> dict:
+                      transfer_buffer_bytes: int, feature_bytes: int = 2, read_ahead: int = 0) -> dict:
     """Host memory per rank that the producers' client allocates, by term (bytes): `feature_staging`
     (`host_staging_bytes`), `store_segment` (the memory this rank mounts into the Mooncake store,
     `train.producers.store.segment_bytes_per_rank` as `regen.train.features.pool.sizes_for` resolves it) and
     `transfer_buffer` (the store client's local buffer, `local_buffer_bytes` likewise). All three are page-locked
     and registered with the NIC."""
     return {"feature_staging": host_staging_bytes(cfg, tokens=tokens, grad_accum=grad_accum, max_batch=max_batch,
-                                                  feature_bytes=feature_bytes),
+                                                  feature_bytes=feature_bytes, read_ahead=read_ahead),
             "store_segment": int(segment_bytes), "transfer_buffer": int(transfer_buffer_bytes)}
 
 
@@ -178,8 +191,8 @@ def step_memory_formulas(cfg, *, tokens: int, world_size: int, grad_accum: int, 
             if grad_accum > 1 else ""),
         "optimizer": f"8 B x {p_trainable:,} / {W} (AdamW, 2 fp32 moments)",
         "features": f"{resident_feature_objects} object(s) x {T} x ({taps} + 1) x {cfg.target_hidden_size} x 2 B"
-                    + (" (the micro-batch computing + the next one's copy; a step's objects wait in pinned host "
-                       "memory)" if producers else ""),
+                    + (" (the micro-batch computing + the next one's copy; the objects read ahead wait in pinned "
+                       "host memory)" if producers else ""),
         "activations": (f"saved for backward at S={T}, Q={Q}, L={T + Q}: context, {cfg.num_hidden_layers} layers "
                         "(incl. the context-side K/V of every layer), memory-efficient attention "
                         "(regen/train/memory.py, checked against CPU measurement)"),

@@ -6,6 +6,18 @@ from __future__ import annotations
 import time
 
 
+def zero_loss(batch: dict) -> None:
+    """Train `batch` with zero weight (its features failed on every attempt, `on_failure: zero_loss`): its loss
+    mask zeroed and its slot layout emptied to match."""
+    import torch
+
+    from regen.train.loss import SlotLayout
+
+    batch["loss_mask"] = torch.zeros_like(batch["loss_mask"])
+    if "slot_layout" in batch:
+        batch["slot_layout"] = SlotLayout.empty(batch["slot_layout"].num_slots, batch["loss_mask"].device)
+
+
 def train_step(model, target, opt, microbatches, *, loss_weights=(0.1, 0.9, 1.0), grad_clip: float = 1.0,
                loss_normalization: str = "step") -> dict:
     """One optimizer step over this rank's micro-batches [(batch, anchors, keep)]; collective over ranks.
@@ -26,6 +38,16 @@ def train_step(model, target, opt, microbatches, *, loss_weights=(0.1, 0.9, 1.0)
     until `reduce_metrics` reads them at a log step. Each micro-batch's features are released to `target`
     (`target.release(batch)`, when it has one) after its backward: remote features keep at most two objects on
     the device (`regen.train.features.staging`).
+
+    Features lost after the weights were agreed (`target.lost(batch)`, remote features reading ahead of compute:
+    the micro-batch's object failed, or the reader stopped, mid-step): that micro-batch is trained with zero
+    features and a zeroed loss mask, and its weight leaves the step's exactly as if it had been zeroed before:
+    with "step" the gradient is Σ_i ∇(Σ w·term_i)·W / Σ_all w, linear in 1 / Σ_all w, so the lost weights of every
+    rank are agreed after the backward (one control-plane all-reduce) and, when any was lost, the gradients and
+    metric sums are multiplied by Σ_all w / (Σ_all w − lost) before the clip (equal to the serial path within
+    rounding; without a loss nothing is multiplied: bit for bit); with "micro_batch" each micro-batch's own
+    Σ_ranks w is its loss's divisor, so its lost weight is agreed before its forward (one all-reduce per
+    micro-batch, where every rank already waits for its features).
     """
     import torch
 
@@ -42,8 +64,12 @@ def train_step(model, target, opt, microbatches, *, loss_weights=(0.1, 0.9, 1.0)
         gamma_w = decay_weights(cfg.block_size, cfg.loss_decay_gamma, ev.device) if gamma_w is None else gamma_w
         local_w.append((ev * gamma_w).sum())
     # Σ over ranks, per micro-batch slot: host values (one read per step), agreed on the control plane
-    global_w = control_all_reduce_sum(torch.stack(local_w).double().cpu(), "the step's loss weights").tolist()
+    local_host = torch.stack(local_w).double().cpu() if local_w else torch.zeros(0, dtype=torch.float64)
+    global_w = control_all_reduce_sum(local_host.clone(), "the step's loss weights").tolist()
     step_w = sum(global_w)
+    # remote features reading ahead of compute: a micro-batch's features may be lost after the weights were agreed
+    lost_of = getattr(target, "lost", None) if getattr(target, "read_ahead", 0) > 0 else None
+    lost = [0.0] * len(microbatches)
     if loss_normalization not in ("step", "micro_batch"):
         raise ValueError(f"loss_normalization {loss_normalization!r}: use 'step' or 'micro_batch'")
     dev = microbatches[0][0]["input_ids"].device if microbatches else None
@@ -56,7 +82,16 @@ def train_step(model, target, opt, microbatches, *, loss_weights=(0.1, 0.9, 1.0)
         tt = time.perf_counter()
         features = target.features_of(batch)
         t_target += time.perf_counter() - tt
-        loss, m = model(batch, features, anchors, keep, weights=loss_weights, denominator=global_w[i])
+        denominator = global_w[i]
+        if lost_of is not None:
+            if lost_of(batch) is not None:  # zero features: trained with zero weight, every rank in step
+                zero_loss(batch)
+                lost[i] = float(local_host[i])  # a host tensor: no device read
+            if loss_normalization == "micro_batch":  # this micro-batch's own divisor, agreed before its loss
+                gone = control_all_reduce_sum(torch.tensor([lost[i]], dtype=torch.float64),
+                                              "a micro-batch's lost loss weight").tolist()[0]
+                denominator, step_w = denominator - gone, step_w - gone
+        loss, m = model(batch, features, anchors, keep, weights=loss_weights, denominator=denominator)
         loss_ok.append(torch.isfinite(m["loss"]).reshape(1))  # on the device: read once, after the clip
         if loss_normalization == "micro_batch":
             scale = 1.0 / len(microbatches)
@@ -70,6 +105,16 @@ def train_step(model, target, opt, microbatches, *, loss_weights=(0.1, 0.9, 1.0)
         sums += torch.stack([m["loss"].double() * (scale / world), m["ce"].double() * scale,
                              m["l1"].double() * scale, m["conf"].double() * scale,
                              m["tau_probabilistic"].double() * nsb, nsb])
+    if lost_of is not None and loss_normalization == "step":
+        gone = control_all_reduce_sum(torch.tensor(lost, dtype=torch.float64), "the step's lost loss weights")
+        gone = float(gone.sum())
+        if gone > 0:  # Σ w·term / Σ_all w  ->  Σ w·term / (Σ_all w − lost): one factor for the whole step
+            factor = step_w / (step_w - gone) if step_w - gone > 0 else 0.0
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(factor)
+            sums[:4] *= factor
+            step_w -= gone
     grad_norm = clip_grad_norm(model, grad_clip, as_tensor=True)
     # a non-finite loss or norm on any rank: no rank steps (regen.train.guard; clipping does not clean a NaN).
     # One device read for every flag of the step, then the agreement on the control plane.

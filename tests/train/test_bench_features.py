@@ -30,12 +30,15 @@ def test_bench_features_quick_prints_each_section():
     # 2 on the device (CPU: no device copy)
     assert k["grad_accum"] == 4 and k["store_reads_into_slots_per_object"] == 1 and k["host_copies_per_object"] == 0
     assert k["device_resident_objects_max"] == 2
-    o = out["overlap"]
-    assert o["objects"] == 4 and o["serial"]["step_s"] > 0 and o["overlapped"]["step_s"] > 0
-    assert o["overlapped_vs_serial"] > 0 and "overlapped with compute" in o["measures"]
-    assert o["serial"]["device_resident_objects_max"] == o["overlapped"]["device_resident_objects_max"] == 1
-    assert o["serial"]["host_copies_per_object"] == 0 and o["serial"]["store_reads_into_slots_per_object"] == 1
-    assert "overlap, a step of 4" in proc.stderr and "at most 2 object(s) resident" in proc.stderr
+    o = out["overlap"]  # through the trainer's client: serial (read_ahead 0) and overlapped (read_ahead 2)
+    assert (o["objects"], o["steps"], o["grad_accum"], o["read_ahead"]) == (8, 2, 4, 2)
+    assert all(o[m]["step_s"] > 0 for m in ("resident", "serial", "overlapped"))
+    assert o["overlapped_vs_serial"] > 0 and o["overlapped_vs_resident"] > 0 and "overlapped with compute" in o["measures"]
+    for mode, slots in (("serial", 4), ("overlapped", 3)):  # a step's 4; CPU: at most read_ahead + 1
+        m = o[mode]
+        assert 1 <= m["host_slots"] <= slots and m["device_resident_objects_max"] <= 2, mode
+        assert m["host_copies_per_object"] == 0 and m["store_reads_into_slots_per_object"] == 1, mode
+    assert "overlap, 2 steps of 4" in proc.stderr and "at most 2 object(s) resident" in proc.stderr
     e = out["end_to_end"]
     assert e["producers"]["loss_last"] == e["in_process"]["loss_last"]  # the same training, two feature paths
     assert e["producers_vs_in_process_tokens_per_s"] > 0 and 0 <= e["producers"]["data_wait_fraction"] <= 1

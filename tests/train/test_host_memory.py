@@ -173,21 +173,27 @@ def test_the_plans_host_figure_is_what_the_slots_allocate(monkeypatch, device_br
 
 
 def test_the_kimi_k3_plan_states_its_host_memory_and_the_gb200_tray():
-    """`regen plan` for kimi-k3 at W = 8: per GPU the 16 exact slots (84.0 GiB, not the 128 GiB of power-of-two
-    pinned blocks), the store segment (256 GiB / 8 + one object) and the transfer buffer (2 objects); 4 ranks of
-    a GB200 tray take 566 GB of its 960 GB (NVIDIA: up to 480 GB LPDDR5X per Grace, 2 per tray): it holds."""
+    """`regen plan` for kimi-k3 at W = 8: per GPU the exact slots (train.producers.read_ahead 2: 2 slots, 10.5 GiB;
+    read_ahead 0: a step's 16, 84.0 GiB, not the 128 GiB of power-of-two pinned blocks), the store segment
+    (256 GiB / 8 + one object) and the transfer buffer (2 objects); 4 ranks of a GB200 tray take 250 GB (read-ahead)
+    or 566 GB (serial) of its 960 GB (NVIDIA: up to 480 GB LPDDR5X per Grace, 2 per tray): both hold."""
     from regen.config import load_profile
     from regen.plan import assumptions, draft_plan
 
-    profile = load_profile("kimi-k3")
-    d = draft_plan(profile, assumptions(profile, {}) | {"world_size": 8}, 1e9)
     obj = 16 + 4096 + 256 + 65536 * 6 * 7168 * 2
-    host = d["host_memory_per_gpu_bytes"]
-    assert host == {"feature_staging": 16 * obj, "store_segment": 256 * 2**30 // 8 + obj, "transfer_buffer": 2 * obj,
-                    "total": 16 * obj + 256 * 2**30 // 8 + obj + 2 * obj}
-    assert d["host_memory_per_gpu_gib"]["feature_staging"] == 84.0 and d["host_memory_per_gpu_gib"]["total"] == 131.75
-    tray = d["host_tray"]
-    assert tray["ranks"] == 4 and tray["bytes"] == 4 * host["total"] and tray["tray_bytes"] == 960 * 10**9
-    assert tray["holds"] and 0.58 < tray["share"] < 0.6 and "holds" in tray["holds_text"]
-    # the same profile with pinned_memory's power-of-two blocks (8 GiB a slot) would have taken 128 GiB of slots
+    rest = 256 * 2**30 // 8 + obj + 2 * obj
+    for sets, slots, gib, total_gib, share in (([], 2, 10.5, 58.25, (0.25, 0.27)),
+                                               (["train.producers.read_ahead=0"], 16, 84.0, 131.75, (0.58, 0.6))):
+        profile = load_profile("kimi-k3", sets)
+        d = draft_plan(profile, assumptions(profile, {}) | {"world_size": 8}, 1e9)
+        host = d["host_memory_per_gpu_bytes"]
+        assert host == {"feature_staging": slots * obj, "store_segment": 256 * 2**30 // 8 + obj,
+                        "transfer_buffer": 2 * obj, "total": slots * obj + rest}, sets
+        assert d["host_memory_per_gpu_gib"]["feature_staging"] == gib
+        assert d["host_memory_per_gpu_gib"]["total"] == total_gib
+        assert d["host_memory_formulas"]["feature_staging"].startswith(f"{slots} slot(s) x the largest object")
+        tray = d["host_tray"]
+        assert tray["ranks"] == 4 and tray["bytes"] == 4 * host["total"] and tray["tray_bytes"] == 960 * 10**9
+        assert tray["holds"] and share[0] < tray["share"] < share[1] and "holds" in tray["holds_text"]
+    # the serial path with pinned_memory's power-of-two blocks (8 GiB a slot) would have taken 128 GiB of slots
     assert 16 * (1 << (obj - 1).bit_length()) == 128 * 2**30

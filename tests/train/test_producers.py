@@ -107,6 +107,8 @@ def test_producers_through_mooncake_train_the_same_draft_as_in_process(tiny_run,
     # it), at most 2 objects resident, whatever grad_accum
     st = f["staging"]
     assert st["store_reads_into_slots"] == f["objects"] == 24 and st["host_copies"] == 0 and st["resident_max"] == 2
+    # read ahead (train.producers.read_ahead 2): each step after the first submitted while the one before computed
+    assert f["read_ahead"] == 2 and f["steps_submitted_ahead"] == 5
     assert summary["target_memory_bytes_per_rank"] < inproc["target_memory_bytes_per_rank"]
     assert samples(other) == samples(run)  # the same micro-batches in the same order
     assert [h["loss"] for h in logged_steps(other)] == [h["loss"] for h in inproc["history"]]

@@ -14,7 +14,8 @@ Formulas (printed with the figures; `assumed` marks what no command here measure
   producer GPUs          = engines x plan.producer_gpus_per_engine
   target forward FLOPs   = 2 x plan.target_active_params x training tokens, on the producers' GPUs (with
                            `producers`) or the trainer's (`in_process`)
-  host memory / rank     = grad_accum exact feature slots + the store segment + the store client's buffer
+  host memory / rank     = (read_ahead, or grad_accum with read_ahead 0) exact feature slots + the store
+                           segment + the store client's buffer
                            (`regen.train.memory.host_memory_bytes`), and whether a GB200 tray holds its 4 ranks
 """
 from __future__ import annotations
@@ -117,7 +118,8 @@ def host_plan(t, cfg, W: int, producers: bool) -> dict:
     sizes them), its formulas, and whether a GB200 tray's host memory holds its ranks (`tray_host_check`)."""
     from regen.errors import InputError
     from regen.train.features.pool import sizes_for
-    from regen.train.memory import HOST_COUNTED_SHARE, host_memory_bytes, largest_object_bytes, tray_host_check
+    from regen.train.memory import (HOST_COUNTED_SHARE, host_memory_bytes, host_slots, largest_object_bytes,
+                                    tray_host_check)
 
     if not producers:
         return {"host_memory_per_gpu_gib": {"total": 0.0}, "host_memory_formulas": {"total": "in process: none"}}
@@ -128,19 +130,24 @@ def host_plan(t, cfg, W: int, producers: bool) -> dict:
                           t.max_tokens, t.max_batch)
     except InputError as exc:
         return {"host_memory_per_gpu_gib": {"total": 0.0}, "host_memory_formulas": {"total": f"not computed: {exc}"}}
+    ra = t.producers.read_ahead
     host = host_memory_bytes(cfg, tokens=t.max_tokens, grad_accum=t.grad_accum, max_batch=t.max_batch,
                              segment_bytes=sizes["segment_bytes_per_rank"],
-                             transfer_buffer_bytes=sizes["local_buffer_bytes"], feature_bytes=eb)
+                             transfer_buffer_bytes=sizes["local_buffer_bytes"], feature_bytes=eb, read_ahead=ra)
+    slots = host_slots(grad_accum=t.grad_accum, read_ahead=ra)
+    why = (f"train.producers.read_ahead: {ra} objects read ahead of the micro-batch computing (each slot read into "
+           "again once its device copy is done)" if ra > 0 else
+           "train.producers.read_ahead 0: a step's grad_accum objects, read out of the store before its first forward")
     total = sum(host.values())
     tray = tray_host_check(total, world_size=W)
     return {
         "host_memory_per_gpu_bytes": host | {"total": total},
         "host_memory_per_gpu_gib": {k: round(v / GiB, 2) for k, v in host.items()} | {"total": round(total / GiB, 2)},
         "host_memory_formulas": {
-            "feature_staging": (f"{t.grad_accum} slot(s) x the largest object, {largest:,} B ({t.max_tokens} x ({taps} "
-                                f"+ 1) x {cfg.target_hidden_size} x {eb} B + header): a step's objects, read out of "
-                                "the store before its first forward; each slot one exact allocation page-locked by "
-                                "cudaHostRegister (pin_memory=True would round it up to a power of two)"),
+            "feature_staging": (f"{slots} slot(s) x the largest object, {largest:,} B ({t.max_tokens} x ({taps} "
+                                f"+ 1) x {cfg.target_hidden_size} x {eb} B + header): {why}; each slot one exact "
+                                "allocation page-locked by cudaHostRegister (pin_memory=True would round it up to a "
+                                "power of two)"),
             "store_segment": ("this rank's share of train.producers.budget_bytes + one object (Mooncake segment)"
                               if t.producers.store.segment_bytes_per_rank is None
                               else "train.producers.store.segment_bytes_per_rank"),

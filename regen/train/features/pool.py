@@ -168,6 +168,7 @@ class FeaturePool:
         self.info = None
         self.sizes: dict = {}
         self.zeroed: list[dict] = []
+        self.submitted_ahead = 0  # steps the loop submitted while the one before computed (read across steps)
         self.on_failure = "error"
 
     @classmethod
@@ -237,7 +238,8 @@ class FeaturePool:
                 control_broadcast_object_list(box, src=0)
             pool.features = RemoteFeatures(box[0], pool.store, spec, head, info.device,
                                            no_producer_timeout_s=pcfg.no_producer_timeout_s,
-                                           startup_timeout_s=pcfg.startup_timeout_s)
+                                           startup_timeout_s=pcfg.startup_timeout_s, read_ahead=pcfg.read_ahead,
+                                           on_failure=pcfg.on_failure)
         except BaseException:
             pool.close()
             raise
@@ -310,19 +312,34 @@ class FeaturePool:
         pool.on_failure = cfg.producers.on_failure
         return pool
 
+    @property
+    def read_ahead(self) -> int:
+        """train.producers.read_ahead: objects read ahead of compute by the client's reader thread (0: serial)."""
+        return getattr(self.features, "read_ahead", 0)
+
+    def submit(self, microbatches, *, ahead: bool = False) -> None:
+        """Read-ahead: queue these micro-batches (a step's, in training order) for the reader (not collective);
+        `ahead`: the loop's early pull of the next step, counted (`steps_submitted_ahead` in the report)."""
+        self.submitted_ahead += int(ahead)
+        self.features.submit(microbatches)
+
     def fetch_step(self, microbatches) -> set[tuple[int, int]]:
         """Fetch one step's features on this rank (collective: every rank learns if any rank must stop). Returns
-        the (epoch, index) of micro-batches to train with a zeroed loss mask (`on_failure: zero_loss`)."""
+        the (epoch, index) of micro-batches to train with a zeroed loss mask (`on_failure: zero_loss`).
+        With read-ahead: submits the step unless it was (the loop submits the next step while this one computes)
+        and returns nothing; failures arrive in the step (`RemoteFeatures.lost`), errors by `raise_if_failed`."""
         from regen.train.collectives import raise_if_any_rank_failed
+        from regen.train.features.client import FAILURE_HINT, failure_message
 
+        if self.read_ahead > 0:
+            self.submit(microbatches)  # those already submitted are skipped
+            return set()
         error, zero = None, set()
         try:
             for f in self.features.fetch(microbatches):
-                what = (f"the features of micro-batch {f.epoch}:{f.index} (rows {', '.join(f.sample_ids)}) failed "
-                        f"on every attempt: {f.reason}")
+                what = failure_message(f)
                 if self.on_failure == "error":
-                    raise InputError(what + " — fix the producers, or set train.producers.on_failure=zero_loss to "
-                                     "train on with that micro-batch's loss mask zeroed (counted)")
+                    raise InputError(what + FAILURE_HINT)
                 log.warning("%s: its loss mask is zeroed (train.producers.on_failure=zero_loss)", what)
                 self.zeroed.append({"epoch": f.epoch, "index": f.index, "sample_ids": f.sample_ids,
                                     "reason": f.reason})
@@ -332,20 +349,34 @@ class FeaturePool:
         raise_if_any_rank_failed(error)
         return zero
 
+    def raise_if_failed(self) -> None:
+        """Collective, after a step agreed non-finite: when a rank's read-ahead handed over a failure under
+        `on_failure: error` or met an error (`RemoteFeatures.take_error`), every rank raises it (that rank's own
+        error, the others an InputError naming it), instead of the non-finite step's message."""
+        from regen.train.collectives import raise_if_any_rank_failed
+
+        raise_if_any_rank_failed(self.features.take_error() if self.features is not None else None)
+
     def report(self, step_s: float) -> dict:
         """The producer-vs-trainer balance: data-wait fraction of the loop, feature bytes/s, rows/s each side."""
         from regen.train.collectives import control_all_gather_object
 
         f = self.features.stats
-        zeroed = [self.zeroed]
+        mine = self.zeroed + self.features.zeroed  # serial (fetch_step) + read-ahead (the client)
+        zeroed = [mine]
         if self.info is not None and self.info.world_size > 1:
             zeroed = [None] * self.info.world_size
-            control_all_gather_object(zeroed, self.zeroed)
+            control_all_gather_object(zeroed, mine)
+        # the trainer's wait for producers: serial, the long-poll before each step; read ahead, the compute thread's
+        # stall behind the reader (the reader's own long-poll overlaps compute: `reader_wait_s`)
+        wait = f["stall_s"] if self.read_ahead > 0 else f["wait_s"]
         out = {"zeroed_microbatches": sorted((z for r in zeroed for z in r), key=lambda z: (z["epoch"], z["index"])),
-               "objects": f["objects"], "bytes": f["bytes"], "wait_s": round(f["wait_s"], 3),
-               "first_wait_s": round(f["first_wait_s"] or 0.0, 3),
+               "objects": f["objects"], "bytes": f["bytes"], "wait_s": round(wait, 3),
+               "first_wait_s": round(min(wait, f["first_wait_s"] or 0.0), 3),
                "read_s": round(f["read_s"], 3), "failed_microbatches": f["failed"],
-               "data_wait_fraction": f["wait_s"] / step_s if step_s > 0 else 0.0,
+               "read_ahead": self.read_ahead, "stall_s": round(f["stall_s"], 3),
+               "reader_wait_s": round(f["wait_s"], 3), "steps_submitted_ahead": self.submitted_ahead,
+               "data_wait_fraction": wait / step_s if step_s > 0 else 0.0,
                "feature_bytes_per_s": f["bytes"] / step_s if step_s > 0 else 0.0, **self.sizes}
         st = self.features.staging.stats  # regen.train.features.staging: host copies, device copies, residency
         out["staging"] = {k: st[k] for k in ("store_reads_into_slots", "host_copies", "host_bytes", "device_copies",
@@ -407,6 +438,8 @@ class FeaturePool:
                 self.ended_by_pool[p.pid] = "SIGKILL"
 
     def close(self) -> None:
+        if self.features is not None:
+            self.features.stop()  # the reader thread ends at its next wait: nothing more is read from here on
         self.end_local()
         if self.watch is not None:
             self.watch.stop_event.set()

@@ -10,9 +10,13 @@ The path of one object (`regen.train.features.client.RemoteFeatures` drives it):
    the whole object into a free host slot (`StoreClient.get_into`; slots are registered through `register` when
    allocated or grown): no copy of regen's. `stage(buf, header)` is the path for a store with only a buffer to
    read from: one copy of the tensors' bytes out of it. Either way the slot is reused (grown to the largest
-   object) and the store's object can be removed right after. A step's objects are all staged before its first
-   forward, so the host holds up to grad_accum slots: host memory, counted apart from the GPU's (`regen.plan`).
-2. `issue(staged)` (when the previous micro-batch is handed to compute): CUDA: the side stream waits until the
+   object) and the store's object can be removed right after. With `train.producers.read_ahead` D > 0 the client's
+   reader thread stages at most D objects ahead of the micro-batch computing, so the host holds D + 1 slots (the
+   one computing, on CPU, or whose device copy may still run, on CUDA); with D = 0 a step's objects are all staged
+   before its first forward: grad_accum slots. Host memory, counted apart from the GPU's (`regen.plan`).
+   The slots' state changes under a lock (the reader thread stages while the training thread issues, releases).
+2. `issue(staged)` (when the previous micro-batch is handed to compute, or when the reader staged the next one
+   after that): CUDA: the side stream waits until the
    training stream released the device slot's previous object, then copies the slot's bytes `non_blocking` into
    it and records an event; the host slot is reused only after that event completed. CPU: the device is the
    host, nothing is copied: the host slot is the object's memory.
@@ -33,7 +37,8 @@ the order of the calls is tested on CPU with a recording double (tests/train/tes
 Host slots are exact: on CUDA each is one plain host allocation of the object's size, page-locked with
 `cudaHostRegister` (`pin_host`; `pin_memory=True` would round it up to a power of two, 8 GiB for a 5.25 GiB
 object) and registered with the store; a slot is regrown (unpinned, unregistered, reallocated) only for a larger
-object. So a step's slots hold grad_accum x the largest object, which is `regen.train.memory.host_staging_bytes`.
+object. So the slots hold (read_ahead + 1, or grad_accum with read_ahead 0) x the largest object, which is
+`regen.train.memory.host_staging_bytes`.
 
 `stats`: objects, host bytes copied, host copies, store reads into slots, device bytes copied, device copies,
 pinned bytes (page-locked now), resident now and at most, extra device buffers, host slot bytes (now and at most,
@@ -41,6 +46,7 @@ pinned or not: what the slots hold allocated).
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -152,6 +158,9 @@ class Staging:
         self.device = torch.device(device)
         self.register, self.unregister = register, unregister  # the store's, for `stage_into` (get_into)
         self.ops = ops if ops is not None else (_CudaOps(self.device) if self.device.type == "cuda" else None)
+        # the client's reader thread stages while the training thread issues and releases: the slots' state changes
+        # under this lock; the long parts (the store's read into a slot, a slot's regrowth, waiting for a copy) not
+        self._lock = threading.RLock()
         self.host: list[dict] = []  # {"buf", "busy", "event"}
         self.dev_slots: list[dict] = [{"buf": None, "owner": None, "free": None} for _ in range(device_slots)]
         self.stats = {"objects": 0, "host_bytes": 0, "host_copies": 0, "store_reads_into_slots": 0,
@@ -172,9 +181,10 @@ class Staging:
             host[at:at + z].copy_(src[s:s + z])
             parts.append((at, z, shape))
             at += z
-        self.stats["objects"] += 1
-        self.stats["host_bytes"] += total
-        self.stats["host_copies"] += 1
+        with self._lock:
+            self.stats["objects"] += 1
+            self.stats["host_bytes"] += total
+            self.stats["host_copies"] += 1
         return Staged(key, dtype, parts, total, slot=i)
 
     def stage_into(self, fill, nbytes: int, key=None) -> tuple[Staged, memoryview]:
@@ -187,10 +197,12 @@ class Staging:
         try:
             fill(h["buf"])
         except BaseException:
-            h["busy"] = False
+            with self._lock:
+                h["busy"] = False
             raise
-        self.stats["objects"] += 1
-        self.stats["store_reads_into_slots"] += 1
+        with self._lock:
+            self.stats["objects"] += 1
+            self.stats["store_reads_into_slots"] += 1
         return Staged(key, None, nbytes=nbytes, slot=i), memoryview(h["buf"][:nbytes].numpy())
 
     def locate(self, staged: Staged, header: dict) -> Staged:
@@ -206,22 +218,26 @@ class Staging:
 
     def discard(self, staged: Staged) -> None:
         """A staged object that will not be used (its header refused): its host slot is free again."""
-        if staged.slot is not None and not staged.issued:
-            self.host[staged.slot]["busy"] = False
+        with self._lock:
+            if staged.slot is not None and not staged.issued:
+                self.host[staged.slot]["busy"] = False
 
     def _host_slot(self, nbytes: int) -> int:
         """A host slot no object still needs: not holding one waiting for its device copy (or, on CPU, in use by
-        the loss), its last copy to the device finished. A new slot when none is free."""
-        free = [i for i, h in enumerate(self.host) if not h["busy"]]
-        if free:
-            i = max(free, key=lambda j: self.host[j]["buf"].numel())  # the largest: the fewest regrowths
-        else:
-            self.host.append({"buf": None, "busy": False, "event": None})
-            i = len(self.host) - 1
-        h = self.host[i]
-        if h["event"] is not None:
-            self.ops.host_wait(h["event"])  # its previous object's copy to the device has finished
-            h["event"] = None
+        the loss), its last copy to the device finished. A new slot when none is free. The slot is taken under the
+        lock; the wait for its last copy and its regrowth happen outside it (nothing else touches a busy slot)."""
+        with self._lock:
+            free = [i for i, h in enumerate(self.host) if not h["busy"]]
+            if free:
+                i = max(free, key=lambda j: self.host[j]["buf"].numel())  # the largest: the fewest regrowths
+            else:
+                self.host.append({"buf": None, "busy": False, "event": None})
+                i = len(self.host) - 1
+            h = self.host[i]
+            h["busy"] = True
+            event, h["event"] = h["event"], None
+        if event is not None:
+            self.ops.host_wait(event)  # its previous object's copy to the device has finished
         if h["buf"] is None or h["buf"].numel() < nbytes:
             old = 0 if h["buf"] is None else h["buf"].numel()
             if h["buf"] is not None and self.unregister is not None:
@@ -232,11 +248,12 @@ class Staging:
             h["buf"] = self.ops.pinned(nbytes) if self.ops is not None else torch.empty(nbytes, dtype=torch.uint8)
             if self.register is not None:
                 self.register(h["buf"])
-            if self.ops is not None:
-                self.stats["pinned_bytes"] += nbytes - old
-            self.stats["host_slot_bytes"] += nbytes - old
-            self.stats["host_slot_bytes_max"] = max(self.stats["host_slot_bytes_max"], self.stats["host_slot_bytes"])
-        h["busy"] = True
+            with self._lock:
+                if self.ops is not None:
+                    self.stats["pinned_bytes"] += nbytes - old
+                self.stats["host_slot_bytes"] += nbytes - old
+                self.stats["host_slot_bytes_max"] = max(self.stats["host_slot_bytes_max"],
+                                                        self.stats["host_slot_bytes"])
         return i
 
     def zeros(self, key, dtype: torch.dtype, shapes) -> Staged:
@@ -253,6 +270,10 @@ class Staging:
     # -- 2. the host slot -> the device, one micro-batch ahead -----------------------------------------------
     def issue(self, staged: Staged) -> None:
         """Start the object's copy to the device (asynchronous; CPU: nothing to copy). It is resident from here."""
+        with self._lock:
+            self._issue(staged)
+
+    def _issue(self, staged: Staged) -> None:
         if staged.issued:
             return
         staged.issued = True
@@ -289,8 +310,7 @@ class Staging:
     def ready(self, staged: Staged) -> tuple[torch.Tensor, torch.Tensor]:
         """(taps, last_hidden) on the device, views of the object's bytes; the training stream waits for the copy.
         Valid until `release(staged)`."""
-        if not staged.issued:
-            self.issue(staged)
+        self.issue(staged)  # a no-op when it was issued one micro-batch ago
         if staged.event is not None:
             self.ops.train_wait(staged.event, staged.dev)
         return tuple(staged.dev[a:a + z].view(staged.dtype).view(shape) for a, z, shape in staged.parts)
@@ -305,15 +325,16 @@ class Staging:
     # -- 4. the loss is done ------------------------------------------------------------------------------------
     def release(self, staged: Staged) -> None:
         """The loss no longer needs the object's tensors: its device slot (CPU: its host slot) may be reused."""
-        if staged.released or not staged.issued:
-            return
-        staged.released = True
-        self._resident(-1)
-        if staged.dev_slot is not None:
-            self.dev_slots[staged.dev_slot]["free"] = self.ops.train_event()
-        elif self.ops is None and staged.slot is not None:
-            self.host[staged.slot]["busy"] = False
-        staged.dev = None
+        with self._lock:
+            if staged.released or not staged.issued:
+                return
+            staged.released = True
+            self._resident(-1)
+            if staged.dev_slot is not None:
+                self.dev_slots[staged.dev_slot]["free"] = self.ops.train_event()
+            elif self.ops is None and staged.slot is not None:
+                self.host[staged.slot]["busy"] = False
+            staged.dev = None
 
     def close(self) -> None:
         """Drop every slot, unregistering the host slots from the store first (a freed buffer left registered would
