@@ -44,9 +44,10 @@ SERVE = ServeConfig(engine="llama.cpp", parallel=1, ctx_per_slot=1024, threads=2
 # |engine acc_len - regen's replay under the engine's budget rule| for this overfit draft on the f32 target: about
 # one round of the 56 (measured 0.018; docs/serve.md, "the round trip on this machine")
 ROUNDTRIP_TOLERANCE = 0.15
-# optimizer steps of each overfit draft: 50 passes over the 8 rows at 2 rows a step, half the 400 of the figures in
-# docs/serve.md ("the round trip on this machine", where the trained draft's acc_len is 5.84 against the 2.5 asserted)
-ROUNDTRIP_STEPS = 200
+# optimizer steps of each overfit draft: 100 passes over the 8 rows at 2 rows a step, as for the figures in
+# docs/serve.md ("the round trip on this machine": the trained draft's acc_len 5.84 against the 2.5 asserted). At 200
+# steps it reached 2.43 (measured 2026-12-04): not enough for the assertion, so the steps stay
+ROUNDTRIP_STEPS = 400
 
 
 @pytest.fixture(scope="module")
