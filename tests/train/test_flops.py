@@ -13,7 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 from regen.train.draft_config import DSparkConfig
 from regen.train.flops import PARTS, plan_flops, pt_rows_of, row_flops, row_flops_by_pass
 from regen.train.loop import make_objective
-from regen.train.loss import decay_weights, evaluation_mask, sample_anchors, slot_positions
+from regen.train.loss import decay_weights, evaluation_mask, sample_anchors, slot_layout, slot_positions
 from regen.train.model import DSparkDraft
 
 KV = {"kv_a_proj_with_mqa", "kv_b_proj", "k_proj", "v_proj"}
@@ -59,11 +59,14 @@ def _row(cfg, S, seed, *, device="cpu", loss_from=0, anchors=None):
     else:
         keep = torch.ones_like(anchors, dtype=torch.bool)
     T, Ht = len(cfg.target_layer_ids), cfg.target_hidden_size
-    batch = {"input_ids": ids, "loss_mask": lm, "attention_mask": torch.ones(1, S, dtype=torch.bool)}
+    # the loss's slot layout planned on the host, as the trainer's prepare_microbatch does (no device read after it)
+    layout = slot_layout(anchors, keep, lm, cfg.block_size, cfg.loss_decay_gamma, input_ids=ids)
+    batch = {"input_ids": ids, "loss_mask": lm, "attention_mask": torch.ones(1, S, dtype=torch.bool),
+             "slot_layout": layout}
     if device == "cpu":
         feats = (torch.randn(1, S, T * Ht), torch.randn(1, S, Ht))
     else:  # made where they are: a 64K row's taps are 9 GB in float32
-        batch = {k: v.to(device) for k, v in batch.items()}
+        batch = {k: v.to(device) for k, v in batch.items()}  # (SlotLayout.to moves its tensors)
         feats = (torch.empty(1, S, T * Ht, device=device), torch.empty(1, S, Ht, device=device))
     return batch, feats, anchors.to(device), keep.to(device)
 
