@@ -208,14 +208,17 @@ def count_syncs(fn):
     the synchronizing CUDA calls it made, and fn's result."""
     import torch
 
+    import regen
+
     seen = collections.Counter()
+    package = os.path.dirname(os.path.abspath(regen.__file__)) + os.sep  # not any path holding /regen/
 
     def show(message, category, filename, lineno, file=None, line=None):
         if "synchroniz" not in str(message):
             return
-        frames = [f for f in traceback.extract_stack()[:-1] if f"{os.sep}regen{os.sep}" in f.filename]
+        frames = [f for f in traceback.extract_stack()[:-1] if f.filename.startswith(package)]
         f = frames[-1] if frames else None
-        seen[f"{f.filename.split(os.sep + 'regen' + os.sep)[-1]}:{f.lineno}" if f else f"{filename}:{lineno}"] += 1
+        seen[f"{f.filename[len(package):]}:{f.lineno}" if f else f"{filename}:{lineno}"] += 1
 
     with warnings.catch_warnings():
         warnings.simplefilter("always")

@@ -40,8 +40,9 @@ def test_kimi_k3_plans_without_a_request(k3_env, monkeypatch, tmp_path, capsys):
         8 * d["params_trainable"] / 8 / 2 ** 30, abs=0.01)
     assert any("REGEN_API_KEY" in p for p in plan["preflight_problems"])
     assert "server-hours =" in out and "memory/GPU optimizer" in out
-    # features with producers: 2 objects on the GPU (issue 26 point 3), a step's 16 in pinned host memory, apart
-    assert d["memory_per_gpu_gib"]["features"] == 10.5 and d["host_memory_per_gpu_gib"]["feature_staging"] == 84.0
+    # features with producers: 2 objects on the GPU, train.producers.read_ahead (2) read ahead in pinned host memory,
+    # apart (16 slots, a step's objects, at read_ahead 0: 84 GiB)
+    assert d["memory_per_gpu_gib"]["features"] == 10.5 and d["host_memory_per_gpu_gib"]["feature_staging"] == 10.5
     assert "host/GPU feature slots" in out and "host/GB200 tray" in out  # host memory per GPU, apart from its total
     # the target's forward runs on the producers (issue 19): not in the trainer's FLOPs, stated beside them
     # the draft's FLOPs counted per part for the mean row (regen.train.flops), not 6·P·D; rows x epochs of it

@@ -5,6 +5,7 @@ Two witnesses: the `meta` device, where every such op raises (so one micro-batch
 proves there is none), and a dispatch mode that records them on CPU tensors, with the line they come from."""
 from __future__ import annotations
 
+import os
 import traceback
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 from test_dspark_model import tiny_cfg
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import regen
 from regen.train.loss import SlotLayout, dspark_loss, sample_anchors, slot_layout
 from regen.train.model import DSparkDraft
 
@@ -20,6 +22,10 @@ DATA_DEPENDENT = {A._local_scalar_dense.default, A.nonzero.default, A.nonzero_st
                   A._unique2.default, A.unique_dim.default, A.unique_consecutive.default, A.masked_scatter.default,
                   A.repeat_interleave.Tensor}
 INDEXING = {A.index.Tensor, A.index_put.default, A.index_put_.default, A._index_put_impl_.default}
+
+
+# regen's package folder (not any path holding "/regen/": a clone may itself be a folder named regen)
+PACKAGE = os.path.dirname(os.path.abspath(regen.__file__)) + os.sep
 
 
 class HostSyncs(TorchDispatchMode):
@@ -35,8 +41,8 @@ class HostSyncs(TorchDispatchMode):
         hit = func in DATA_DEPENDENT or (func in INDEXING and any(
             i is not None and i.dtype in (torch.bool, torch.uint8) for i in args[1]))
         if hit:
-            where = [f for f in traceback.extract_stack() if "/regen/" in f.filename]
-            self.seen.append((str(func), f"{where[-1].filename.rsplit('/regen/', 1)[-1]}:{where[-1].lineno}"
+            where = [f for f in traceback.extract_stack() if f.filename.startswith(PACKAGE)]
+            self.seen.append((str(func), f"{where[-1].filename[len(PACKAGE):]}:{where[-1].lineno}"
                               if where else "outside regen"))
         return func(*args, **kwargs)
 
