@@ -89,8 +89,8 @@ class DSparkConfig:
         theta = (self.rope_parameters or {}).get("rope_theta")
         if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 0:
             raise ValueError(f"rope_parameters.rope_theta={theta!r}: state the RoPE base explicitly (a positive "
-                             "number, e.g. 50000.0 for the K3 draft); no default is assumed (a draft trainer that dropped "
-                             "the base trained at 10,000 whatever its config declared, and served wrong)")
+                             "number, e.g. 50000.0 for the K3 draft); no default is assumed (a draft trainer that "
+                             "dropped the base trained at 10,000 whatever its config declared, and served wrong)")
         eos = self.eos_token_id
         object.__setattr__(self, "eos_token_id", tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),))
         ids = self.target_layer_ids
@@ -102,6 +102,12 @@ class DSparkConfig:
                 "a tap on the last layer is refused (its HF hidden state is already final-normed, spec §1)")
         if self.attention_type not in ("mla", "gqa"):
             raise ValueError(f"attention_type {self.attention_type!r}: use 'mla' or 'gqa'")
+        nh, nkv = self.num_attention_heads, self.num_key_value_heads
+        if self.attention_type == "gqa" and (nkv < 1 or nh % nkv):
+            # each key/value head serves nh // nkv query heads: with nkv > nh that is 0, empty keys and values, and
+            # an attention that silently outputs zeros
+            raise ValueError(f"num_attention_heads={nh} is not a multiple of num_key_value_heads={nkv}: GQA needs "
+                             "num_key_value_heads to divide num_attention_heads (set num_key_value_heads)")
         if self.aux_hidden_stream not in ("prefix", "attn_res"):
             raise ValueError(f"aux_hidden_stream {self.aux_hidden_stream!r}: use 'prefix' or 'attn_res'")
         if self.markov_head_type != "vanilla":
@@ -199,6 +205,7 @@ def small_config_for_target(target_config, *, target_layer_ids, num_hidden_layer
     tc = getattr(target_config, "text_config", None) or target_config
     H = tc.hidden_size
     heads = max(1, min(8, H // 32))
+    kv_heads = max(d for d in range(1, heads // 2 + 1) if heads % d == 0) if heads > 1 else 1  # divides heads
     eos = getattr(tc, "eos_token_id", None)
     eos = [] if eos is None else (list(eos) if isinstance(eos, (list, tuple)) else [eos])
     emb_scale = math.sqrt(H) if "gemma" in str(getattr(tc, "model_type", "")) else 1.0
@@ -207,7 +214,7 @@ def small_config_for_target(target_config, *, target_layer_ids, num_hidden_layer
         attention_type=attention_type, block_size=block_size, num_hidden_layers=num_hidden_layers,
         hidden_size=H, intermediate_size=getattr(tc, "intermediate_size", 4 * H), num_attention_heads=heads,
         q_lora_rank=0, kv_lora_rank=max(16, H // 4), qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
-        num_key_value_heads=max(1, heads // 2), head_dim=32, rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6),
+        num_key_value_heads=kv_heads, head_dim=32, rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6),
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         max_position_embeddings=getattr(tc, "max_position_embeddings", 4096), vocab_size=tc.vocab_size,
         target_hidden_size=H, target_num_hidden_layers=tc.num_hidden_layers, target_layer_ids=tuple(target_layer_ids),

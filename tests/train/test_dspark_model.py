@@ -232,3 +232,17 @@ def test_profile_rope_theta_reaches_the_draft_config():
     k3 = dict(base, draft_preset="kimi-k3", num_draft_layers=1, mask_token_id=511)
     assert build_draft_config(TrainConfig(**k3), tc).rope_parameters["rope_type"] == "yarn"
     assert build_draft_config(TrainConfig(**k3), tc).rope_theta == 50000.0
+
+
+def test_gqa_key_value_heads_must_divide_the_query_heads():
+    """nkv > nh (or not a divisor) gave empty keys and values and an attention of zeros, silently: refused; the small
+    config picks a divisor."""
+    from types import SimpleNamespace
+
+    from regen.train.draft_config import small_config_for_target
+
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        tiny_cfg(attention_type="gqa", num_attention_heads=4, num_key_value_heads=8)
+    tc = SimpleNamespace(hidden_size=160, num_hidden_layers=4, vocab_size=512, eos_token_id=2, intermediate_size=320)
+    cfg = small_config_for_target(tc, target_layer_ids=(0, 1, 2), attention_type="gqa")
+    assert cfg.num_attention_heads == 5 and cfg.num_key_value_heads == 1
