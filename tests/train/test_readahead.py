@@ -9,6 +9,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+import test_host_memory
 import torch
 
 from regen.train.features.contract import FeatureContractError, FeatureSpec, encode, make_header
@@ -17,25 +18,16 @@ SPEC = FeatureSpec("regen/test", (1, 3, 5), "prefix", "float32", 16, 8, "rev-a")
 PRODUCER = {"id": "p0", "engine": "transformers", "engine_version": "5.x", "host": "host", "pid": 1}
 
 
-class IntoStore:
-    """A store reading into registered buffers (`StoreClient.get_into`'s contract) from a dict of objects; each
-    read is recorded (key, the reader's thread name)."""
+class IntoStore(test_host_memory.IntoStore):
+    """test_host_memory's store reading into registered buffers; each read is also recorded (key, the reader's
+    thread name)."""
 
     def __init__(self, objects):
-        self.objects, self.registered, self.reads = objects, {}, []
-
-    def register(self, buf):
-        self.registered[buf.data_ptr()] = buf.numel()
-
-    def unregister(self, buf):
-        del self.registered[buf.data_ptr()]
-
-    def size(self, key):
-        return len(self.objects[key])
+        super().__init__(objects)
+        self.reads = []
 
     def get_into(self, key, buf, nbytes):
-        assert self.registered.get(buf.data_ptr()) == buf.numel() >= nbytes == len(self.objects[key])
-        buf[:nbytes].copy_(torch.frombuffer(bytearray(self.objects[key]), dtype=torch.uint8))
+        super().get_into(key, buf, nbytes)
         self.reads.append((key, threading.current_thread().name))
 
 
