@@ -21,7 +21,7 @@
 5. Prints a table, and the serving engines that can load the draft the profile trains (`regen.serve.engines`),
    and writes `<run>/plan.json`. A pool short of `select.total` prompts scales every count by total / selected.
 
-Formulas (printed with the figures):
+Formulas (`regen plan --formulas` prints each one below the figures; all are in plan.json):
   requests        = units x requests_per_unit
   server-hours    = output_tokens / server_output_tokens_per_s / 3600; wall hours = server-hours / servers
   shard bytes     = shard tokens x shard_bytes_per_token
@@ -506,17 +506,9 @@ def _gib(x: float) -> str:
     return f"{x:,.2f} GiB"
 
 
-def print_plan(plan: dict) -> None:
-    """The plan as a table: figure, value, where it comes from."""
-    from regen.report.query import print_table
-
+def plan_rows(plan: dict) -> list[list[str]]:
+    """The plan's figures as rows (figure, value, how): what `print_plan` shows, the formula in the third column."""
     pt, sh, sv, d = plan["prompt_tokens"], plan["shards"], plan["servers"], plan["draft"]
-    print(f"regen plan: profile {plan['profile']}, rates {plan['source_of_rates']}; {plan['scale']['note']} "
-          f"(x{plan['scale']['factor']})")
-    print_table(["category", "prompts", "units", "output tokens/unit", "requests/unit", "keep"],
-                [[k, v["prompts"], v["units"], v["output_tokens_per_unit"], v["requests_per_unit"], v["keep"]]
-                 for k, v in plan["categories"].items()],
-                title="mix")
     rows = [
         ["prompts / units", f"{plan['prompts']:,} / {plan['units']:,}", "selection x scale"],
         ["prompt tokens p50 / p90 / max", f"{pt['p50']:,} / {pt['p90']:,} / {pt['max']:,}",
@@ -537,8 +529,8 @@ def print_plan(plan: dict) -> None:
     ]
     if "params_trainable" in d:
         mem = d["memory_per_gpu_gib"]
-        rows += [["draft parameters", f"{d['params_trainable']:,} trainable + {d['params_frozen']:,} frozen",
-                  d["target_config"]]]
+        rows += [["draft parameters", f"{d['params_trainable'] / 1e9:.3f}B trainable + {d['params_frozen'] / 1e9:.3f}B "
+                  f"frozen", f"{d['params_trainable']:,} + {d['params_frozen']:,}; {d['target_config']}"]]
         rows += [[f"memory/GPU {k}", _gib(mem[k]), d["memory_formulas"][k]] for k in d["memory_formulas"]]
         rows += [["memory/GPU total", _gib(mem["total"]), f"W={d['world_size']}, T={d['micro_batch_tokens']}"],
                  *[[f"host/GPU {k.replace('feature_staging', 'feature slots').replace('_', ' ')}",
@@ -557,12 +549,59 @@ def print_plan(plan: dict) -> None:
         from regen.train.features.plan import rows as feature_rows
 
         rows += feature_rows(plan["features"])
-    print_table(["figure", "value", "how"], rows + serving_rows(d.get("serving")), title="plan")
-    print_cells(plan.get("cells") or {})
+    serving = d.get("serving") or {}
+    return rows + [[name, _verdict(serving[name.removeprefix("served by ")]), how]
+                   for name, _, how in serving_rows(serving)]
+
+
+def _verdict(s: dict) -> str:
+    """An engine's verdict in a few words: yes, or no and the subject of each refusal ("fc_norm=True")."""
+    if s["serves"]:
+        return "yes"
+    subjects = [r.split(": ")[1] if r.count(": ") >= 2 else r for r in s["refusals"]]
+    return "no: " + ", ".join(subjects)
+
+
+def _short(value: str, width: int) -> str:
+    """A figure's value cut to `width` characters (an engine's refusals: the first one's subject, and how many)."""
+    return value if len(value) <= width else value[:width - 1] + "…"
+
+
+def print_plan(plan: dict, *, formulas: bool = False, width: int | None = None) -> None:
+    """The plan for a terminal: the figures as one two-column table (figure, value) that fits `width` columns
+    (the terminal's, at least 60), then, with `formulas`, each figure's formula below it, wrapped to the width.
+    Without `formulas` one line says how to see them (they are also in plan.json)."""
+    import shutil
+    import textwrap
+
+    from regen.report.query import print_table
+
+    width = max(60, width or shutil.get_terminal_size((100, 40)).columns)
+
+    def say(text: str, indent: str = "") -> None:
+        print(textwrap.fill(text, width, initial_indent=indent, subsequent_indent=indent + "  "))
+
+    say(f"regen plan: profile {plan['profile']}, rates {plan['source_of_rates']}; {plan['scale']['note']} "
+        f"(x{plan['scale']['factor']})")
+    print_table(["category", "prompts", "units", "output tokens/unit", "requests/unit", "keep"],
+                [[k, v["prompts"], v["units"], v["output_tokens_per_unit"], v["requests_per_unit"], v["keep"]]
+                 for k, v in plan["categories"].items()],
+                title="mix", width=width)
+    rows = plan_rows(plan)
+    name_w = max(len(r[0]) for r in rows)
+    value_w = width - name_w - 7  # rich's borders and padding of two columns
+    print_table(["figure", "value"], [[r[0], _short(r[1], value_w)] for r in rows], title="plan", width=width)
+    print_cells(plan.get("cells") or {}, width=width)
     for p in plan["preflight_problems"]:
-        print(f"preflight (would stop `regen run`): {p}")
+        say(f"preflight (would stop `regen run`): {p}")
     if plan["assumptions"].get("note"):
-        print(f"assumptions: {plan['assumptions']['note']}")
+        say(f"assumptions: {plan['assumptions']['note']}")
+    if formulas:
+        print("\nhow each figure is computed:")
+        for name, value, how in rows:
+            say(f"{name} = {value}: {how}", indent="  ")
+    else:
+        say("each figure's formula: add --formulas (also in plan.json)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -579,6 +618,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-tflops", dest="gpu_peak_tflops", type=float, default=None,
                         help="dense bf16 peak TFLOPS per GPU (plan.gpu_peak_tflops)")
     parser.add_argument("--output-tokens", type=int, default=None, help="assumed output tokens per unit, every category")
+    parser.add_argument("--formulas", action="store_true",
+                        help="print each figure's formula below the figures (engines' refusals in full)")
 
 
 def main(args) -> int:
@@ -589,6 +630,6 @@ def main(args) -> int:
     flags = {k: getattr(args, k) for k in ("servers", "server_output_tokens_per_s", "world_size", "mfu",
                                            "gpu_peak_tflops", "output_tokens")}
     plan = build_plan(profile, run, pilot=args.pilot, sample=args.sample, flags=flags)
-    print_plan(plan)
+    print_plan(plan, formulas=args.formulas)
     print(f"\nwritten: {run.root / 'plan.json'}")
     return 0

@@ -69,12 +69,13 @@ def cell_plan(prompts: list[dict], scale: float, a: dict) -> dict:
             "note": "assumed: a mode's output tokens = its category's plan.output_tokens x plan.mode_output_factor"}
 
 
-def print_cells(cells: dict) -> None:
-    """The band x mode table of a plan (nothing when the profile has neither bands nor modes)."""
+def print_cells(cells: dict, width: int | None = None) -> None:
+    """The band x mode table of a plan (nothing when the profile has neither bands nor modes), at most `width`
+    columns wide (the terminal's when None)."""
     from regen.report.query import print_table
 
     rows = [r for r in cells.get("cells", []) if r["length_band"] is not None or r["mode"] is not None]
     if rows:
         print_table(["length band", "mode", "prompts", "units", "output tokens/unit"],
                     [[r["length_band"] or "-", r["mode"] or "-", r["prompts"], r["units"],
-                      r["output_tokens_per_unit"]] for r in rows], title="cells (" + cells["note"] + ")")
+                      r["output_tokens_per_unit"]] for r in rows], title="cells (" + cells["note"] + ")", width=width)

@@ -129,7 +129,8 @@ def query(run_root: str | Path, sql: str) -> tuple[list[str], list[tuple]]:
     return columns, cur.fetchall()
 
 
-def print_table(columns: list[str], rows: list[tuple], title: str | None = None) -> None:
+def print_table(columns: list[str], rows: list[tuple], title: str | None = None, width: int | None = None) -> None:
+    """Rows as a rich table on stdout, at most `width` columns wide (the terminal's when None)."""
     from rich.console import Console
     from rich.table import Table
 
@@ -138,7 +139,7 @@ def print_table(columns: list[str], rows: list[tuple], title: str | None = None)
         table.add_column(c)
     for r in rows:
         table.add_row(*["" if v is None else str(v) for v in r])
-    Console().print(table)
+    Console(width=width).print(table)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

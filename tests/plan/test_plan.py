@@ -11,7 +11,7 @@ from conftest import MODEL
 from regen import cli
 from regen.config import load_profile
 from regen.pipeline import run_pipeline
-from regen.plan import build_plan
+from regen.plan import build_plan, print_plan
 from regen.rundir import RunDir
 from regen.testing.openai_server import ServerThread, Settings
 
@@ -27,7 +27,7 @@ def test_kimi_k3_plans_without_a_request(k3_env, monkeypatch, tmp_path, capsys):
     for var in ("REGEN_API_KEY", "KIMI_K3_MODEL", "REGEN_ENDPOINTS"):
         monkeypatch.delenv(var, raising=False)
     run = tmp_path / "run"
-    rc = cli.main(["plan", "--profile", "kimi-k3", "--run", str(run), "--world-size", "8"])
+    rc = cli.main(["plan", "--profile", "kimi-k3", "--run", str(run), "--world-size", "8", "--formulas"])
     out = capsys.readouterr().out
     assert rc == 0, out
     plan = json.loads((run / "plan.json").read_text())
@@ -81,6 +81,17 @@ def test_kimi_k3_plans_without_a_request(k3_env, monkeypatch, tmp_path, capsys):
     assert "cells (assumed" in out and "no_think" in out
     total = sum(c["output_tokens_per_unit"] * c["units"] for c in cells)
     assert total == pytest.approx(plan["output_tokens"]["total"], rel=0.01)
+    # an 80-column terminal: the figures on one screen (two columns, no formula wrapped into a cell), each formula
+    # behind --formulas, every engine's verdict with the subject of its refusals
+    print_plan(plan, width=80)
+    short = capsys.readouterr().out.splitlines()
+    assert max(len(line) for line in short) <= 80 and len(short) <= 80
+    assert not any("server-hours =" in line for line in short) and "add --formulas" in short[-1]
+    assert any("served by vllm" in line and "no: fc_norm=True" in line for line in short)
+    assert any("memory/GPU total" in line and "GiB" in line for line in short)
+    print_plan(plan, formulas=True, width=80)
+    full = capsys.readouterr().out.splitlines()
+    assert max(len(line) for line in full) <= 80 and any("server-hours =" in line for line in full)
 
 
 @pytest.mark.integration
