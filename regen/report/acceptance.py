@@ -106,9 +106,53 @@ def curve_plot(run_root: Path) -> dict[str, tuple[str | None, str]]:
     ax.set_ylabel("acc_len estimate")
     ax.set_title("Held-out acc_len estimate during training")
     ax.legend(fontsize=7)
+    spent = sum(c.get("seconds") or 0.0 for c in curve)
+    cost = f"; the {len(curve)} estimates took {spent:.1f} s" if spent else ""
     return {"eval_curve": (_png(fig), f"acc_len estimated on held-out rows every {curve[0].get('eval_every', '?')} "
                                       f"steps ({curve[0].get('method', 'estimate')}); best {best['acc_len_estimate']:.3f}"
-                                      f" at step {best['step']}")}
+                                      f" at step {best['step']}{cost}")}
+
+
+def read_log(run_root: Path) -> list[dict]:
+    """The lines of `<run>/train/log.jsonl` (one per logged optimizer step: step, loss, tau_probabilistic, ...; the
+    trainer, `regen.train.loop`), [] when absent. A line that is not JSON (a run killed mid-write) is skipped."""
+    path = Path(run_root) / "train" / "log.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+def training_plot(run_root: Path) -> dict[str, tuple[str | None, str]]:
+    """The training loss and tau (the expected accepted length per block, `tau_probabilistic`) against the step,
+    from the training log, the latest run's steps only where a resumed run logged a step twice."""
+    import matplotlib.pyplot as plt
+
+    by_step = {r["step"]: r for r in read_log(run_root) if "step" in r and "loss" in r}
+    if not by_step:
+        return {"training": (None, "no training log (train has not run)")}
+    rows = [by_step[s] for s in sorted(by_step)]
+    steps = [r["step"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    ax.plot(steps, [r["loss"] for r in rows], color="#4c72b0", label="loss")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss")
+    taus = [(r["step"], r["tau_probabilistic"]) for r in rows if r.get("tau_probabilistic") is not None]
+    if taus:
+        ax2 = ax.twinx()
+        ax2.plot([t[0] for t in taus], [t[1] for t in taus], color="#dd8452", label="tau")
+        ax2.set_ylabel("tau (expected accepted length)")
+    ax.set_title("Training loss and tau")
+    last = rows[-1]
+    tau = f", tau {last['tau_probabilistic']:.3f}" if last.get("tau_probabilistic") is not None else ""
+    return {"training": (_png(fig), f"training loss (blue) and tau (orange, 1 + the expected accepted draft tokens "
+                                    f"per block) every logged step, train/log.jsonl; step {last['step']}: loss "
+                                    f"{last['loss']:.4f}{tau}")}
 
 
 def cells_table(run_root: Path) -> tuple[list[str], list[list]]:

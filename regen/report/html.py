@@ -174,6 +174,7 @@ def make_plots(run_root: Path, con) -> dict[str, tuple[str | None, str]]:
                    if checked else "drift rate: no rows checked (the server returned no token ids)")
         plots["drift"] = (_png(_bar(labels, values, f"Render drift: {rate:.2%}", "rows")), caption)
     plots.update(acceptance.eval_plots(run_root))
+    plots.update(acceptance.training_plot(run_root))
     plots.update(acceptance.curve_plot(run_root))
     return plots
 

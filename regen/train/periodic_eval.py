@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 from regen.errors import InputError
@@ -97,8 +98,10 @@ class PeriodicEval:
     def maybe(self, step: int, model, final: bool = False) -> dict | None:
         if not self.due(step, final):
             return None
+        t0 = time.perf_counter()
         rec = {"step": step, **self.estimate(model), "eval_every": self.every, "num_rows": len(self.rows),
                "method": METHOD}
+        rec["seconds"] = round(time.perf_counter() - t0, 3)  # the estimate's wall time: its share of training
         self.curve.append(rec)
         improved = self.best is None or rec["acc_len_estimate"] > self.best["acc_len_estimate"]
         if improved and self.keep_best:

@@ -71,6 +71,17 @@ def test_estimates_every_n_steps_keep_the_best_and_track_to_tensorboard(tiny_run
     assert '"eval_every": 2' in text and '"heldout_fraction": 0.3' in text
     out = capsys.readouterr().out
     assert "train: step 6/6 (100%)" in out and "loss" in out and "steps/min" in out
+    # the run's report plots this run's training (loss and tau per logged step) and its estimates, with their cost
+    import base64
+
+    from regen.report.acceptance import curve_plot, training_plot
+
+    png, caption = training_plot(run_dir)["training"]
+    assert base64.b64decode(png).startswith(b"\x89PNG") and f"loss {s['loss_last']:.4f}" in caption
+    assert f"tau {s['tau_probabilistic_last']:.3f}" in caption and "step 6:" in caption
+    assert all(c["seconds"] > 0 for c in curve)
+    png, caption = curve_plot(run_dir)["eval_curve"]
+    assert png and f"the 3 estimates took {sum(c['seconds'] for c in curve):.1f} s" in caption
 
 
 @pytest.mark.integration
