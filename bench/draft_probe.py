@@ -223,7 +223,7 @@ def main(argv=None) -> int:
     from regen.errors import InputError
     from regen.rundir import RunDir
     from regen.train.eval import resolve_draft_dir
-    from regen.train.loop import build_draft_config
+    from regen.train.draft_config import build_draft_config
     from regen.train.model import load_draft
     from regen.train.target import TargetContract, TargetFeatures
     from schemas.io import write_json_atomic

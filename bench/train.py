@@ -72,7 +72,8 @@ def target_forward_baseline(cfg, run, steps: int) -> float:
     from regen.train.feed import ShardFeed
     from regen.train.parallel import resolve_device
     from regen.train.target import TargetContract, TargetFeatures
-    from regen.train.loop import _dtype, build_draft_config, feed_config
+    from regen.train.draft_config import build_draft_config
+    from regen.train.loop import _dtype, feed_config
     from transformers import AutoConfig
 
     device = resolve_device(cfg.device)

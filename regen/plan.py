@@ -294,7 +294,7 @@ def target_config(profile: Profile) -> tuple[object | None, str]:
 def draft_plan(profile: Profile, a, shard_tokens: float, rows: float = 0.0, supervised: float = 0.0) -> dict:
     """Parameters, memory per GPU under FSDP2, host memory, training FLOPs and time (formulas in the module doc) for
     `rows` shard rows of `shard_tokens` tokens, `supervised` of them supervised."""
-    from regen.train.loop import build_draft_config
+    from regen.train.draft_config import build_draft_config
     from regen.train.model import build_meta
 
     tc, source = target_config(profile)

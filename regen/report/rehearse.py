@@ -45,7 +45,7 @@ def shapes(profile, world_size: int | None = None) -> dict:
 def _draft_config(profile):
     from regen.errors import InputError
     from regen.plan import target_config
-    from regen.train.loop import build_draft_config
+    from regen.train.draft_config import build_draft_config
 
     tc, source = target_config(profile)
     if tc is None:

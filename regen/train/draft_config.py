@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
+
+from regen.errors import InputError
+from regen.train.target import default_target_layer_ids
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -180,8 +183,6 @@ def check_rope_theta(cfg: DSparkConfig, expected: float | None, *, checkpoint: s
     """Raise InputError when the checkpoint's RoPE base differs from the one `expected_from` (a profile's
     `train.rope_theta`, a serving config) expects; `expected` None checks nothing. Part of the serving contract:
     a draft served at another θ than it was trained at loses acceptance silently."""
-    from regen.errors import InputError
-
     if expected is not None and float(expected) != cfg.rope_theta:
         raise InputError(f"{checkpoint}: the checkpoint's rope_theta is {cfg.rope_theta:g}, {expected_from} expects "
                          f"{float(expected):g}; evaluate/serve it with rope_theta {cfg.rope_theta:g} or retrain the "
@@ -224,3 +225,28 @@ def small_config_for_target(target_config, *, target_layer_ids, num_hidden_layer
     )
     cfg.update(overrides)
     return DSparkConfig(**cfg)
+
+
+def build_draft_config(cfg, target_config) -> DSparkConfig:
+    """The DSparkConfig of a profile's `train` section (a TrainConfig) for a target's HF config (`text_config`
+    or the config itself): presets `small` and `kimi-k3`, then `cfg.draft`'s overrides, then `cfg.rope_theta`.
+    Raises InputError for an unknown `train.draft_preset`, ValueError for an invalid combination."""
+    tc = getattr(target_config, "text_config", None) or target_config
+    ids = cfg.target_layer_ids or default_target_layer_ids(tc.num_hidden_layers, 3)
+    common = dict(target_layer_ids=tuple(ids), aux_hidden_stream=cfg.aux_hidden_stream, fc_norm=cfg.fc_norm,
+                  block_size=cfg.block_size, markov_rank=cfg.markov_rank, num_anchors=cfg.num_anchors,
+                  enable_confidence_head=cfg.enable_confidence_head, loss_decay_gamma=cfg.loss_decay_gamma,
+                  attention_type=cfg.attention_type, draft_vocab_size=cfg.draft_vocab_size)
+    if cfg.mask_token_id is not None:
+        common["mask_token_id"] = cfg.mask_token_id
+    if cfg.draft_preset == "kimi-k3":
+        dc = kimi_k3_config(num_hidden_layers=cfg.num_draft_layers, target_hidden_size=tc.hidden_size,
+                            target_num_hidden_layers=tc.num_hidden_layers, vocab_size=tc.vocab_size,
+                            **common, **cfg.draft)
+    elif cfg.draft_preset == "small":
+        dc = small_config_for_target(tc, num_hidden_layers=cfg.num_draft_layers, **common, **cfg.draft)
+    else:
+        raise InputError(f"train.draft_preset={cfg.draft_preset!r}: allowed values are 'small' and 'kimi-k3'")
+    if cfg.rope_theta is not None:  # the profile states the base: it wins over the preset's
+        dc = replace(dc, rope_parameters={**dc.rope_parameters, "rope_theta": float(cfg.rope_theta)})
+    return dc

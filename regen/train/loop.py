@@ -34,6 +34,7 @@ from pathlib import Path
 from regen.config import add_profile_arguments, load_profile_from_args
 from regen.errors import InputError
 from regen.train import warm_start
+from regen.train.draft_config import build_draft_config
 from regen.train.periodic_eval import TrainHooks
 from regen.train.step import reduce_metrics, train_step, zero_loss  # noqa: F401 - the loop's step, importable here
 
@@ -101,32 +102,6 @@ def _dtype(name: str, device):
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" or (device.type == "cpu" and native_bf16()) else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
-
-
-def build_draft_config(cfg, target_config):
-    """The DSparkConfig of this profile for a target's HF config (presets `small` and `kimi-k3`, + `cfg.draft`)."""
-    from regen.train.model import kimi_k3_config, small_config_for_target
-    from regen.train.target import default_target_layer_ids
-
-    tc = getattr(target_config, "text_config", None) or target_config
-    ids = cfg.target_layer_ids or default_target_layer_ids(tc.num_hidden_layers, 3)
-    common = dict(target_layer_ids=tuple(ids), aux_hidden_stream=cfg.aux_hidden_stream, fc_norm=cfg.fc_norm,
-                  block_size=cfg.block_size, markov_rank=cfg.markov_rank, num_anchors=cfg.num_anchors,
-                  enable_confidence_head=cfg.enable_confidence_head, loss_decay_gamma=cfg.loss_decay_gamma,
-                  attention_type=cfg.attention_type, draft_vocab_size=cfg.draft_vocab_size)
-    if cfg.mask_token_id is not None:
-        common["mask_token_id"] = cfg.mask_token_id
-    if cfg.draft_preset == "kimi-k3":
-        dc = kimi_k3_config(num_hidden_layers=cfg.num_draft_layers, target_hidden_size=tc.hidden_size,
-                            target_num_hidden_layers=tc.num_hidden_layers, vocab_size=tc.vocab_size,
-                            **common, **cfg.draft)
-    elif cfg.draft_preset == "small":
-        dc = small_config_for_target(tc, num_hidden_layers=cfg.num_draft_layers, **common, **cfg.draft)
-    else:
-        raise InputError(f"train.draft_preset={cfg.draft_preset!r}: allowed values are 'small' and 'kimi-k3'")
-    if cfg.rope_theta is not None:  # the profile states the base: it wins over the preset's
-        dc = dataclasses.replace(dc, rope_parameters={**dc.rope_parameters, "rope_theta": float(cfg.rope_theta)})
-    return dc
 
 
 def lr_lambda(total_steps: int, warmup_frac: float, min_lr_frac: float):

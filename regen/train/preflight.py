@@ -4,8 +4,9 @@
 
   target      `train.target` set, a directory whose `config.json` parses, with `train.target_layer_ids` inside its
               layer count
-  draft       the draft config builds for that target (`regen.train.loop.build_draft_config`); returned, so that
-              the serving engines' check (`regen.serve.engines.check`) can ask whether they load it
+  draft       the draft config builds for that target (`regen.train.draft_config.build_draft_config`);
+              returned, so that the serving engines' check (`regen.serve.engines.check`) can ask whether they
+              load it
   features    (`train.features: producers`) the Mooncake store imports, the pool's addresses name no unset
               variable, and the byte budget, segments and buffers hold one feature object
               (`regen.train.features.pool.sizes_for`)
@@ -22,6 +23,7 @@ from types import SimpleNamespace
 from regen.config import local_model_config, resolve_path
 from regen.config.train import TrainConfig
 from regen.errors import CheckReport, InputError
+from regen.train.draft_config import build_draft_config
 
 
 def check(cfg: TrainConfig, rep: CheckReport):
@@ -61,8 +63,6 @@ def check(cfg: TrainConfig, rep: CheckReport):
 
 
 def _draft(cfg: TrainConfig, target_config: dict, rep: CheckReport):
-    from regen.train.loop import build_draft_config
-
     try:
         return build_draft_config(cfg, SimpleNamespace(**target_config))
     except (InputError, ValueError, TypeError) as exc:

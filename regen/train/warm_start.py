@@ -13,9 +13,10 @@
                            from `dflash_config`; `d2t` gives the reduced vocabulary, its `lm_head` rows (the
                            target's) are not read
 
-The checkpoint's contract is checked against the draft the profile builds (`regen.train.loop.build_draft_config`)
-before any weight is read into it: taps (`target_layer_ids`), the tap stream (`aux_hidden_stream`, `fc_norm`), the
-vocabulary (`vocab_size` of the target, `draft_vocab_size`), the widths (hidden and intermediate sizes, layers,
+The checkpoint's contract is checked against the draft the profile builds
+(`regen.train.draft_config.build_draft_config`) before any weight is read into it: taps (`target_layer_ids`),
+the tap stream (`aux_hidden_stream`, `fc_norm`), the vocabulary (`vocab_size` of the target,
+`draft_vocab_size`), the widths (hidden and intermediate sizes, layers,
 heads, the MLA or GQA dimensions, the target's hidden size), `block_size`, `markov_rank`, the confidence head,
 `mask_token_id` and the RoPE base. Every mismatch is one line of one InputError naming the checkpoint's value,
 the profile's and the setting that makes them agree. Then every trainable tensor of the draft must be in the file

@@ -78,11 +78,11 @@ def k3_draft(tmp_path: Path, **overrides) -> Path:
 
 
 def local_draft(tmp_path: Path, model_dir: Path, *, draft_vocab_size: int = 4096) -> Path:
-    """The local profile's draft (regen.train.loop.build_draft_config on SmolLM2's config), random weights."""
+    """The local profile's draft (regen.train.draft_config.build_draft_config on SmolLM2's config), random weights."""
     from transformers import AutoConfig
 
     from regen.config import load_profile
-    from regen.train.loop import build_draft_config
+    from regen.train.draft_config import build_draft_config
 
     cfg = build_draft_config(load_profile("local", [f"train.draft_vocab_size={draft_vocab_size}"]).train,
                              AutoConfig.from_pretrained(model_dir))
@@ -203,7 +203,7 @@ def test_support_names_every_engine_for_the_profiles_drafts():
     from types import SimpleNamespace
 
     from regen.config import load_profile
-    from regen.train.loop import build_draft_config
+    from regen.train.draft_config import build_draft_config
 
     k3 = build_draft_config(load_profile("kimi-k3").train,
                             SimpleNamespace(hidden_size=7168, num_hidden_layers=93, vocab_size=163840))

@@ -23,7 +23,7 @@ def smol_step(tmp_path_factory, model_dir):
     from transformers import AutoConfig
 
     from regen.config import load_profile
-    from regen.train.loop import build_draft_config
+    from regen.train.draft_config import build_draft_config
     from regen.train.model import DSparkDraft, save_draft
 
     cfg = build_draft_config(load_profile("local").train, AutoConfig.from_pretrained(model_dir))

@@ -26,7 +26,7 @@ def setup(tiny_target):
     from transformers import AutoConfig
 
     from regen.config import load_profile
-    from regen.train.loop import build_draft_config
+    from regen.train.draft_config import build_draft_config
     from regen.train.model import DSparkDraft
     from regen.train.target import TargetContract, TargetFeatures
 
@@ -113,7 +113,7 @@ def test_probe_command(tmp_path, tiny_target):
     from transformers import AutoConfig
 
     from regen.config import load_profile
-    from regen.train.loop import build_draft_config
+    from regen.train.draft_config import build_draft_config
     from regen.train.model import DSparkDraft, save_draft
     from regen.train.target import TargetContract, TargetFeatures
 

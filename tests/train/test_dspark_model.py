@@ -221,7 +221,7 @@ def test_profile_rope_theta_reaches_the_draft_config():
     from types import SimpleNamespace
 
     from regen.config.train import TrainConfig
-    from regen.train.loop import build_draft_config
+    from regen.train.draft_config import build_draft_config
 
     tc = SimpleNamespace(hidden_size=64, num_hidden_layers=6, vocab_size=512, intermediate_size=128,
                          max_position_embeddings=512, eos_token_id=1, pad_token_id=0, rms_norm_eps=1e-6,

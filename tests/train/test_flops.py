@@ -181,7 +181,7 @@ def test_the_kimi_k3_row_is_counted_on_the_meta_device(tokens, monkeypatch):
     from regen.config import load_profile
     from regen.plan import target_config
     from regen.train import attention as attention_mod
-    from regen.train.loop import build_draft_config
+    from regen.train.draft_config import build_draft_config
     from regen.train.model import build_meta
 
     profile = load_profile("kimi-k3")
