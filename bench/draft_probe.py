@@ -57,14 +57,14 @@ def probe_rows(run, cfg, split: str, limit: int) -> list[dict]:
     from regen.errors import InputError
     from regen.train.feed import ShardFeed
     from regen.train.heldout import heldout_split
-    from regen.train.loop import feed_config
+    from regen.train.feed import FeedConfig
 
     frac = cfg.heldout_fraction
     if split == "heldout" and not frac > 0:
         raise InputError("train.heldout_fraction is 0: no prompt is held out; use --split train or "
                          "--set train.heldout_fraction=0.15 (the prompts the draft did not train on)")
     # one row per micro-batch, no shuffle, no length bucketing: the rows in manifest order, unpadded
-    fc = dataclasses.replace(feed_config(cfg), max_batch=1, shuffle_buffer=1, bucket_window=1)
+    fc = dataclasses.replace(FeedConfig.from_train(cfg), max_batch=1, shuffle_buffer=1, bucket_window=1)
     held = heldout_split(run, frac, cfg.heldout_per_cell)
     skip = (lambda pid: not held(pid)) if split == "heldout" else held  # skip(pid) True: the row is left out
     out = []
@@ -222,7 +222,7 @@ def main(argv=None) -> int:
     from regen.config import load_profile, resolve_path
     from regen.errors import InputError
     from regen.rundir import RunDir
-    from regen.train.eval import resolve_draft_dir
+    from regen.train.checkpoint import find_draft
     from regen.train.draft_config import build_draft_config
     from regen.train.model import load_draft
     from regen.train.target import TargetContract, TargetFeatures
@@ -241,7 +241,7 @@ def main(argv=None) -> int:
     profile = load_profile(args.profile, dict(kv.split("=", 1) for kv in args.overrides))
     cfg = profile.train
     run = RunDir.at(args.run)
-    draft_dir = resolve_draft_dir(args.draft or run.train)
+    draft_dir = find_draft(args.draft or run.train)
     target_path = resolve_path(cfg.target)
     if not (Path(target_path) / "config.json").exists():
         raise InputError(f"train.target={cfg.target!r}: no config.json in {target_path} (run `bash scripts/setup.sh`)")

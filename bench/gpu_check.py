@@ -63,8 +63,8 @@ NO_CUDA_EXIT = 3
 # every module a section imports: checked first (section 0), so a package the GPU image lacks is named up front
 MODULES = ("torch", "torch.distributed.fsdp", "torch.nn.attention", "torch.nn.attention.flex_attention",
            "torch.utils.flop_counter", "pydantic", "yaml", "safetensors", "pyarrow", "transformers",
-           "regen.config", "regen.plan", "regen.train.loop", "regen.train.step", "regen.train.model",
-           "regen.train.draft_config", "regen.train.parallel", "regen.train.loss", "regen.train.attention",
+           "regen.config", "regen.plan", "regen.train.loop", "regen.train.trainer", "regen.train.step",
+           "regen.train.model", "regen.train.draft_config", "regen.train.parallel", "regen.train.loss", "regen.train.attention",
            "regen.train.features.client", "regen.train.features.contract", "regen.train.features.staging")
 # dense bf16 tensor-core peak per GPU, TFLOP/s (NVIDIA datasheets: H100/H200 SXM 989, B200 2,250, GB200 2,500 per GPU,
 # A100 312); matched on torch.cuda.get_device_name(), the first match wins
@@ -139,7 +139,7 @@ class K3Bench:
     def __init__(self, args, device, info):
         import torch
 
-        from regen.train.loop import make_objective
+        from regen.train.step import make_objective
         from regen.train.model import DSparkDraft
         from regen.train.parallel import shard_model
 
@@ -163,7 +163,7 @@ class K3Bench:
         prepared by the trainer's own `prepare_microbatch` (anchors, the loss's slot layout, all on the host)."""
         from types import SimpleNamespace
 
-        from regen.train.loop import prepare_microbatch
+        from regen.train.step import prepare_microbatch
 
         torch, cfg, device = self.torch, self.cfg, self.device
         g = torch.Generator().manual_seed(seed)

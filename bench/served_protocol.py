@@ -75,9 +75,9 @@ def train(root: Path, run: Path, model_dir: Path, steps: int) -> Path:
                             max_steps=steps, log_every=100, dtype="float32", target_dtype="float32")
     out = RunDir.at(str(run))
     run_train(load_profile(str(profile)).train, out)
-    from regen.serve.engines.draft import resolve_step_folder
+    from regen.train.checkpoint import find_draft
 
-    return resolve_step_folder(out.train)
+    return find_draft(out.train)
 
 
 def regen_figures(step: Path, model_dir: Path, prompts, new_tokens: int, seeds) -> dict:

@@ -95,7 +95,7 @@ def main() -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from regen.config import load_profile
     from regen.rundir import RunDir
-    from regen.serve.engines.draft import resolve_step_folder
+    from regen.train.checkpoint import find_draft
     from regen.serve.engines.spec_eval import ensure_engine_gguf, export_for_llama_cpp
     from regen.train.draft_config import DSparkConfig
     from regen.train.eval import heldout_prompts
@@ -104,7 +104,7 @@ def main() -> int:
         args.prompts, args.max_new_tokens, args.in_flight = 4, 16, "1,2"
     profile = load_profile(args.profile)
     run = RunDir.at(args.run)
-    step = resolve_step_folder(args.draft or run.train)
+    step = find_draft(args.draft or run.train)
     K = DSparkConfig.from_json(step / "config.json").block_size
     from regen.train.heldout import eval_heldout_split
 

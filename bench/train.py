@@ -73,15 +73,16 @@ def target_forward_baseline(cfg, run, steps: int) -> float:
     from regen.train.parallel import resolve_device
     from regen.train.target import TargetContract, TargetFeatures
     from regen.train.draft_config import build_draft_config
-    from regen.train.loop import _dtype, feed_config
+    from regen.train.feed import FeedConfig
+    from regen.train.trainer import resolve_dtype
     from transformers import AutoConfig
 
     device = resolve_device(cfg.device)
     path = resolve_path(cfg.target)
     dcfg = build_draft_config(cfg, AutoConfig.from_pretrained(str(path), local_files_only=True))
     target = TargetFeatures.from_pretrained(path, TargetContract.from_draft_config(dcfg),
-                                            dtype=_dtype(cfg.target_dtype, device), device=device)
-    feed = ShardFeed(run.shards, feed_config(cfg), grad_accum=cfg.grad_accum)
+                                            dtype=resolve_dtype(cfg.target_dtype, device), device=device)
+    feed = ShardFeed(run.shards, FeedConfig.from_train(cfg), grad_accum=cfg.grad_accum)
     batches = [mb for _, step in zip(range(steps), feed.steps(num_epochs=None)) for mb in step.microbatches]
     target.features(batches[0].input_ids.to(device), batches[0].attention_mask.to(device))  # warm-up
     tokens, t0 = 0, time.perf_counter()
@@ -110,7 +111,7 @@ def main(argv=None) -> int:
     work = Path(tempfile.mkdtemp(prefix="bench-train-"))
     try:
         overrides = [f"train.max_steps={steps + 1}", "train.epochs=0", "train.checkpoint_every=0",
-                     "train.log_every=1", "train.heldout_fraction=0"] + args.overrides
+                     "train.log_every=1", "train.heldout_fraction=0", "train.eval_every=0"] + args.overrides
         if args.quick:
             overrides += [f"train.target={tiny_target(work / 'target')}", "train.target_layer_ids=[0,1,2]",
                           "train.mask_token_id=null", "train.max_len=128", "train.max_tokens=512",

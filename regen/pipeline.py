@@ -128,16 +128,17 @@ def step_eval(train: TrainConfig, run: RunDir) -> dict:
     """acc_len of the run's latest draft vs an untrained one (`regen.train.eval.run_eval`); a rerun whose eval.json
     already measured that checkpoint with the same settings returns it without measuring again. Returns
     {"skipped": reason} when no shard row is held out (a run of a few prompts)."""
-    from regen.train.eval import heldout_prompts, resolve_draft_dir, run_eval
+    from regen.train.checkpoint import find_draft
+    from regen.train.eval import heldout_prompts, run_eval
     from regen.train.heldout import heldout_split
 
     if not heldout_prompts(run, heldout_split(run, train.heldout_fraction, train.heldout_per_cell), 1):
         return {"skipped": f"no held-out prompt among the shards at train.heldout_fraction={train.heldout_fraction}"}
-    draft = resolve_draft_dir(run.train)
+    draft = find_draft(run.train)
     done = read_json(run.root / "eval.json")
     same = dict(draft=str(draft), draft_sha256=sha256_file(draft / "model.safetensors"), target=str(train.target),
                 num_prompts_asked=train.eval_prompts, max_new_tokens=train.eval_max_new_tokens,
-                heldout_fraction=train.heldout_fraction, seed=train.seed if train.seed is not None else 0,
+                heldout_fraction=train.heldout_fraction, seed=train.seed,
                 confidence_threshold=0.0)
     if done and all(done.get(k) == v for k, v in same.items()):
         return done
@@ -150,10 +151,10 @@ def step_engine_eval(profile: Profile, run: RunDir, *, log=print) -> dict:
     """The round trip (`regen.serve.engines.spec_eval.run_engine_eval`): the run's latest draft served by llama.cpp
     beside the embedded target. A rerun whose engine-eval.json measured the same weights with the same settings
     returns it without serving again."""
-    from regen.serve.engines.draft import resolve_step_folder
+    from regen.train.checkpoint import find_draft
     from regen.serve.engines.spec_eval import headline, run_engine_eval
 
-    draft = resolve_step_folder(run.train)
+    draft = find_draft(run.train)
     types = tuple(profile.serve.engine_eval_gguf_types)
     done = read_json(run.root / "engine-eval.json")
     launch = read_json(run.root / "export" / "llama.cpp" / "launch.json") or {}
@@ -188,7 +189,7 @@ def step_next_selection(profile: Profile, run: RunDir, loop: LoopRound, *, rende
     from regen.render.stage import prompt_control_tokens
     from regen.select.aim import update_round
     from regen.select.stage import next_round
-    from regen.train.eval import resolve_draft_dir
+    from regen.train.checkpoint import find_draft
 
     rounds = (run.manifest(run.prompts) or {}).get("loop") or []
     if rounds and rounds[-1].get("status") != "done":
@@ -203,7 +204,7 @@ def step_next_selection(profile: Profile, run: RunDir, loop: LoopRound, *, rende
                      heldout_fraction=profile.train.heldout_fraction, prior_requests=loop.prior_requests,
                      control_tokens=prompt_control_tokens(render))
     last = read_json(aimed) if aimed.exists() else None
-    rec = update_round(run, rec["round"], init_from=(last or {}).get("draft") or str(resolve_draft_dir(run.train)))
+    rec = update_round(run, rec["round"], init_from=(last or {}).get("draft") or str(find_draft(run.train)))
     log(f"loop round {rec['round']} ({loop.policy}): {rec['prompts_added']} prompts, {rec['units_added']} of "
         f"{loop.budget_units} units; reasoning in {run.root / rec['reasoning']}")
     return rec
@@ -273,9 +274,8 @@ def _render(job: Job) -> dict:
 def _round_train(job: Job) -> tuple[TrainConfig, str]:
     """A round's training config (from the draft its selection names, `train_steps` steps) and its number `NN`."""
     rec, t = job.results["select"], job.profile.train
-    seed = t.seed if t.seed is not None else job.profile.seed
-    cfg = t.model_copy(update={"init_from": rec["init_from"], "seed": seed,
-                               **({"max_steps": job.loop.train_steps} if job.loop.train_steps else {})})
+    cfg = t.model_copy(update={"init_from": rec["init_from"],
+                               **({"max_steps": job.step.train_steps} if job.step.train_steps else {})})
     return cfg, f"{rec['round']:02d}"
 
 

@@ -53,6 +53,14 @@ class Profile(BaseModel):
                              "modes: every mode selected needs its request settings, every mode defined a share")
         return self
 
+    @model_validator(mode="after")
+    def _train_seed(self):
+        """`train.seed: null` is the profile's seed, resolved here once: the trainer, `regen eval` and the loop
+        rounds read `train.seed` as it stands."""
+        if self.train.seed is None:
+            self.train = self.train.model_copy(update={"seed": self.seed})
+        return self
+
 
 def profile_path(name_or_path: str) -> Path:
     """A profile name (`local`) -> `data/profiles/local.yaml`; an existing path is taken as is."""

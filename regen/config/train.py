@@ -175,7 +175,7 @@ class TrainConfig(BaseModel):
     min_loss_tokens: int = Field(14, description="rows with fewer supervised tokens after "
                                  "truncation are left out (spec §5)")
     heldout_fraction: float = Field(0.05, description="share of prompts kept out of training for `regen eval` "
-                                    "(regen.train.eval.is_heldout)")
+                                    "(regen.train.heldout.is_heldout)")
     heldout_per_cell: int = Field(0, ge=0, description="held-out prompts wanted per category x length band x mode "
                                   "cell of the first selection, added to the fraction's where it has fewer (at most "
                                   "half a cell, or its one prompt; regen.train.heldout.cell_picks); 0 = the "

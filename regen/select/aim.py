@@ -181,7 +181,7 @@ def allocate(weights: dict, candidates: dict, budget: int) -> dict:
 
 
 def is_heldout(prompt_id: str, fraction: float) -> bool:
-    """The trainer's held-out rule (`regen.train.eval.is_heldout`, the same sha256 bucket of the prompt id; the two
+    """The trainer's held-out rule (`regen.train.heldout.is_heldout`, the same sha256 bucket of the prompt id; the two
     are compared in tests/select/test_aim.py): a stage reads another's files, never its modules."""
     if fraction <= 0:
         return False

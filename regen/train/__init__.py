@@ -14,7 +14,9 @@ Modules, in reading order:
     draft_vocab.py   the reduced draft vocabulary (EAGLE-3 d2t / t2d)
     parallel.py      process group and FSDP2, applied in one function
     checkpoint.py    servable draft + exact resume state
-    loop.py          the training loop, top to bottom
+    step.py          one optimizer step: the objective, a micro-batch prepared on the host, the step
+    trainer.py       `Trainer`: state declared, each component from its sub-config, `build` then `train`
+    loop.py          `regen train`: the command line, the process group, then the trainer
     warm_start.py    `train.init_from`: an existing draft (regen's or an engine's folder), checked, loaded
     tracking.py      figures to TensorBoard (W&B, MLflow where asked), the run's configuration, progress lines
     periodic_eval.py the held-out estimate every N steps, the best checkpoint, the loop's hooks

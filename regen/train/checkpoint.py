@@ -89,7 +89,7 @@ def save_checkpoint(train_dir: Path, step: int, model, optimizer, scheduler, fee
                     keep: int = 2, include_frozen: bool = False) -> Path:
     """Write `checkpoints/step-{step:06d}` (see the module docstring) and point `latest.json` at it.
 
-    `model` is the sharded root whose `draft` attribute is the DSparkDraft (regen.train.loop.make_objective) or the
+    `model` is the sharded root whose `draft` attribute is the DSparkDraft (regen.train.step.make_objective) or the
     draft itself. Every rank writes its own shards of the resumable state (`resume/`, torch's distributed
     checkpoint) and hashes them; rank 0 then writes the servable weights (gathered), the JSON files,
     `train_state.pt`, the MANIFEST.json over every file, renames the folder and replaces `latest.json`. Keeps the
@@ -281,6 +281,28 @@ def latest_checkpoint(train_dir: Path) -> Path | None:
         return None
     path = Path(train_dir) / latest["path"]
     return path if path.is_dir() else None
+
+
+def find_draft(path: str | Path, setting: str = "--draft") -> Path:
+    """The draft folder `path` names: itself when it holds a config.json (a step folder, or an exported draft
+    folder), else the step `latest.json` points at in `path` (a training directory) or in `path/train` (a run
+    directory). `setting` is what the user gave the path as (`--draft`, `train.init_from`, `--compare NAME=`): the
+    InputError raised when none holds a draft names it, the path and the fix. No verification (`load_servable_
+    weights` and `verify_checkpoint` check the files)."""
+    from regen.errors import InputError
+
+    p = Path(path)
+    for cand in (p, p / "train"):
+        if (cand / "config.json").exists():
+            return cand
+        latest = read_json(cand / LATEST) if (cand / LATEST).exists() else None
+        if latest and (cand / latest["path"] / "config.json").exists():
+            return cand / latest["path"]
+    shown = f"{setting}{p}" if setting.endswith("=") else f"{setting} {str(p)!r}"  # `--compare NAME=PATH`
+    raise InputError(f"{shown}: no draft there (config.json, latest.json of a training directory, or "
+                     "train/latest.json of a run directory); give a step folder such as "
+                     "runs/local/train/checkpoints/step-000100, the training or run directory for its latest step, "
+                     "or an exported K3DSparkModel / Qwen3DSparkModel folder")
 
 
 def find_resume(train_dir: Path) -> tuple[Path | None, str | None]:

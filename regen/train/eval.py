@@ -41,7 +41,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from regen.train.eval_cells import breakdown, prompt_labels
-from regen.train.heldout import HELDOUT_BUCKETS, is_heldout  # noqa: F401 (the bucket rule's public home was here)
 
 
 @dataclass(frozen=True)
@@ -113,22 +112,6 @@ def replay_rounds(propose, sequence: list[int], target_argmax: list[int], prompt
         if r.stopped:
             break
     return rounds
-
-
-def resolve_draft_dir(path: str | Path) -> Path:
-    """A checkpoint folder (with config.json), or a folder with `latest.json` (`<run>/train`), or a run dir."""
-    from regen.errors import InputError
-    from schemas.io import read_json
-
-    p = Path(path)
-    for cand in (p, p / "train"):
-        if (cand / "config.json").exists():
-            return cand
-        latest = read_json(cand / "latest.json") if (cand / "latest.json").exists() else None
-        if latest and (cand / latest["path"] / "config.json").exists():
-            return cand / latest["path"]
-    raise InputError(f"--draft {str(p)!r}: no config.json, train/latest.json or latest.json found; give a "
-                     "checkpoint folder such as runs/local/train/checkpoints/step-000100")
 
 
 def heldout_prompts(run, heldout, num_prompts: int | None) -> list[dict]:
@@ -440,8 +423,9 @@ def run_eval(cfg, run, *, draft_dir, seed: int | None = None, num_prompts: int =
     if temperature < 0 or not 0 < top_p <= 1:
         raise InputError(f"--temperature {temperature} --top-p {top_p}: use T >= 0 (0 = greedy only) and top_p in "
                          "(0, 1]")
-    ddir = resolve_draft_dir(draft_dir)
-    from regen.train.checkpoint import load_servable_weights
+    from regen.train.checkpoint import find_draft, load_servable_weights
+
+    ddir = find_draft(draft_dir)
     from regen.train.draft_config import check_rope_theta
 
     load_servable_weights(ddir)  # refuses a damaged (MANIFEST.json) or non-finite draft, as the exports do
@@ -456,11 +440,7 @@ def run_eval(cfg, run, *, draft_dir, seed: int | None = None, num_prompts: int =
     for name, other in (compare or {}).items():
         if name in RESERVED_NAMES:
             raise InputError(f"--compare {name}=...: {name!r} is a reserved key of eval.json; choose another name")
-        try:
-            odir = resolve_draft_dir(other)
-        except InputError:
-            raise InputError(f"--compare {name}={other}: no config.json, train/latest.json or latest.json found; "
-                             "give a checkpoint folder or a training directory") from None
+        odir = find_draft(other, f"--compare {name}=")
         load_servable_weights(odir)
         ocfg = DSparkConfig.from_json(odir / "config.json")
         check_rope_theta(ocfg, expected_theta, checkpoint=f"--compare {name}={other}",

@@ -52,8 +52,7 @@ def main(args) -> int:
     from regen.config import load_profile_from_args
 
     profile, run = load_profile_from_args(args)
-    seed = args.seed if args.seed is not None else (profile.train.seed if profile.train.seed is not None
-                                                    else profile.seed)
+    seed = args.seed if args.seed is not None else profile.train.seed  # null: the profile's (resolved on load)
     from regen.errors import InputError
 
     compare = {}

@@ -7,7 +7,7 @@ manifest's `sha256` before anything in it is parsed: a shard that does not match
 
 The global sample stream (identical on every rank, independent of world size and accumulation):
 
-    manifest order -> rows -> drop held-out prompts (regen.train.eval.is_heldout) and rows with fewer than
+    manifest order -> rows -> drop held-out prompts (regen.train.heldout.is_heldout) and rows with fewer than
     min_loss_tokens supervised tokens after truncation to max_len -> seeded shuffle buffer -> windows of
     bucket_window samples sorted by length and cut into padded micro-batches of at most max_tokens
     (batch x longest) and max_batch rows -> the window's micro-batches in seeded order.
@@ -46,6 +46,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from regen.errors import InputError
+from regen.train.heldout import is_heldout
 
 log = logging.getLogger(__name__)
 
@@ -65,13 +66,22 @@ class FeedConfig:
     shuffle_buffer: int = 256  # samples; 1 = manifest order
     bucket_window: int = 64  # samples sorted by length together; 1 = no bucketing
     min_loss_tokens: int = 14  # spec §5: rows with fewer supervised tokens are dropped
-    heldout_fraction: float = 0.0  # prompts with regen.train.eval.is_heldout(prompt_id, f) are never trained on
+    heldout_fraction: float = 0.0  # prompts with regen.train.heldout.is_heldout(prompt_id, f) are never trained on
     heldout_picks: str = ""  # sha256 of the per-cell held-out picks (regen.train.heldout.HeldoutSplit); "" = none
     pad_id: int = 0
     on_bad_shard: str = "error"  # error | skip
     poll_s: float = 2.0  # follow mode: manifest polling interval
     follow_timeout_s: float = 0.0  # follow mode: give up after this long without a new shard (0 = never)
     cache_shards: int = 8  # verified shard tables kept in memory
+
+    @classmethod
+    def from_train(cls, cfg) -> "FeedConfig":
+        """The feed's settings from a `TrainConfig` (`train.max_len`, `train.max_tokens`, ...; `train.follow_poll_s`
+        is `poll_s`). A bare TrainConfig's seed null reads as 0 (a profile fills it with its own seed)."""
+        return cls(seed=cfg.seed or 0, max_len=cfg.max_len, truncate=cfg.truncate, max_tokens=cfg.max_tokens,
+                   max_batch=cfg.max_batch, shuffle_buffer=cfg.shuffle_buffer, bucket_window=cfg.bucket_window,
+                   min_loss_tokens=cfg.min_loss_tokens, heldout_fraction=cfg.heldout_fraction,
+                   on_bad_shard=cfg.on_bad_shard, poll_s=cfg.follow_poll_s, follow_timeout_s=cfg.follow_timeout_s)
 
     def stream_fields(self) -> dict:
         keys = ("seed", "max_len", "truncate", "max_tokens", "max_batch", "shuffle_buffer", "bucket_window",
@@ -156,7 +166,7 @@ def manifest_finished(manifest: dict) -> bool:
 class ShardFeed:
     """Iterate optimizer steps of padded micro-batches over a shards directory (see the module docstring).
 
-    `heldout(prompt_id) -> bool` defaults to `regen.train.eval.is_heldout(prompt_id, cfg.heldout_fraction)` when the
+    `heldout(prompt_id) -> bool` defaults to `regen.train.heldout.is_heldout(prompt_id, cfg.heldout_fraction)` when the
     fraction is > 0. Raises InputError for a missing manifest (unless following), a shard whose checksum does
     not match (policy "error"), a manifest whose listed prefix changed, or a resume with other stream settings.
     """
@@ -176,8 +186,6 @@ class ShardFeed:
         self.rank, self.world_size, self.grad_accum = rank, world_size, grad_accum
         self.follow = follow
         if heldout is None and cfg.heldout_fraction > 0:
-            from regen.train.eval import is_heldout
-
             frac = cfg.heldout_fraction
             heldout = lambda pid: is_heldout(pid, frac)  # noqa: E731
         self.heldout = heldout

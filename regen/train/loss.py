@@ -152,7 +152,7 @@ class SlotLayout:
     training device it sizes every buffer from Python ints and reads nothing back (no boolean-mask indexing,
     `torch.unique` or `nonzero` there: each is a host synchronisation on a GPU).
 
-    Built by `slot_layout` from the host copies of the anchors, keep flags and loss mask (`regen.train.loop.
+    Built by `slot_layout` from the host copies of the anchors, keep flags and loss mask (`regen.train.step.
     prepare_microbatch` does, before they go to the device). M = B·N·K slots, flat index b·N·K + n·K + k:
     sel int64[n]: the slots with weight w > 0, ascending (= `(w.flatten() > 0).nonzero()`);
     order int64[n]: the stable sort of those slots by their (row, position) key b·S + min(a+k, S−1);
@@ -215,7 +215,7 @@ def slot_layout(anchors_BN, keep_BN, loss_mask_BS, block_size: int, loss_decay_g
     sel = (w > 0).nonzero().flatten()
     if check and not bool(parts[2][sel].all()):
         raise ValueError("supervised target tokens outside the draft vocabulary: mask them out of the loss "
-                         "with DSparkDraft.in_draft_vocab (regen.train.loop does)")
+                         "with DSparkDraft.in_draft_vocab (regen.train.step.prepare_microbatch does)")
     key = (torch.arange(B)[:, None] * S + pos.view(B, N * K)).flatten()[sel]
     order = torch.argsort(key, stable=True)
     uniq, pt_idx = torch.unique(key[order], return_inverse=True)
@@ -232,7 +232,7 @@ def dspark_loss(draft, batch: dict, features, anchors=None, keep=None, *, genera
 
     batch: `input_ids` int[B, S], `loss_mask` {0,1}[B, S], optional `attention_mask` [B, S], `position_ids`.
       With a reduced draft vocabulary the loss mask must exclude targets outside it (`DSparkDraft.in_draft_vocab`,
-      as `regen.train.loop.prepare_microbatch` does; EAGLE-3's position mask), else ValueError; p_t is then the
+      as `regen.train.step.prepare_microbatch` does; EAGLE-3's position mask), else ValueError; p_t is then the
       target's distribution renormalised over the draft vocabulary (its lm_head rows), as in EAGLE-3.
     features: (taps [B, S, T·Ht], last_hidden [B, S, Ht]) from `regen.train.target.TargetFeatures.features`
       (last_hidden is the target's final-normed state; p_t = softmax(lm_head(last_hidden)), spec §1).
@@ -273,7 +273,7 @@ def dspark_loss(draft, batch: dict, features, anchors=None, keep=None, *, genera
         layout = slot_layout(anchors, keep, lm, K, cfg.loss_decay_gamma, input_ids=ids, t2d=t2d)
     elif cfg.draft_vocab_size and not layout.vocab_checked:
         raise ValueError("the slot layout was built without the draft vocabulary: pass input_ids and t2d to "
-                         "slot_layout (regen.train.loop.prepare_microbatch does)")
+                         "slot_layout (regen.train.step.prepare_microbatch does)")
     lay = layout.to(hidden.device)
     if lay.num_slots != w.numel():
         raise ValueError(f"the slot layout covers {lay.num_slots} slots, this micro-batch has {w.numel()}: build it "

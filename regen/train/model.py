@@ -163,7 +163,7 @@ class DSparkDraft(nn.Module):
             return target_ids
         if check and target_ids.numel() and not bool(self.t2d[target_ids].all()):
             raise ValueError("supervised target tokens outside the draft vocabulary: mask them out of the loss "
-                             "with DSparkDraft.in_draft_vocab (regen.train.loop does)")
+                             "with DSparkDraft.in_draft_vocab (regen.train.step.prepare_microbatch does)")
         return torch.cumsum(self.t2d, 0)[target_ids] - 1
 
     def in_draft_vocab(self, target_ids: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,7 @@
 steps, the best checkpoint kept beside the latest, the curve in `<train>/periodic_eval.jsonl`.
 
 The estimate, labelled as one everywhere it is written (`METHOD`): on up to `train.eval_rows` held-out rows of the
-shards (the prompts `regen.train.eval.is_heldout` keeps out of training, the ones `regen eval` measures), the
+shards (the prompts `regen.train.heldout.is_heldout` keeps out of training, the ones `regen eval` measures), the
 target runs once over the row as rendered (prompt + the recorded answer: the target's own regenerated answer) and
 the draft proposes a block at every position of the answer (`regen.train.eval.proposal_table`); the rounds are
 replayed (`regen.train.eval.replay_rounds`) against the row's recorded next tokens instead of the target's greedy
@@ -14,18 +14,23 @@ all rows) and per request (the mean of each row's), per-position accept rates.
 Best checkpoint: when the estimate (per round) beats every earlier one, `<train>/best/` is replaced by the draft
 at that step (`config.json` + `model.safetensors`, servable; `best.json` says its step, estimate and method), so
 `best/` and the latest step folder stand side by side. Needs the target's features in the trainer
-(`train.features: in_process`): with producers the held-out rows are not produced (an InputError at the start).
+(`train.features: in_process`): with producers the held-out rows are not produced, so the estimate is skipped with
+that reason, logged at the start and kept in the summary (`eval_during_training.skipped`); training is the same.
+No held-out row at all is an InputError at the start (raise train.heldout_fraction or set train.eval_every: 0).
 Every rank computes the same estimate (the FSDP collectives stay in step); rank 0 writes.
 """
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import time
 from pathlib import Path
 
 from regen.errors import InputError
 from regen.train.tracking import Tracker
+
+log = logging.getLogger(__name__)
 
 METHOD = ("estimate: teacher-forced replay on held-out rows' recorded answers (rounds verified against the "
           "recorded next tokens, not the target's greedy decode; one target forward per row)")
@@ -73,12 +78,17 @@ class PeriodicEval:
         self.rows = []
         self.curve: list[dict] = []
         self.best: dict | None = None
+        self.skipped: str | None = None
         if self.every <= 0:
             return
         if cfg.features != "in_process":
-            raise InputError(f"train.eval_every={cfg.eval_every} needs the target's features in the trainer "
-                             f"(train.features: in_process; it is {cfg.features!r}: the producers make no features "
-                             "of held-out rows); set train.eval_every: 0 and measure with `regen eval` after training")
+            self.skipped = (f"train.eval_every={cfg.eval_every} needs the target's features in the trainer "
+                            f"(train.features: in_process; it is {cfg.features!r}: the producers make no features "
+                            "of held-out rows): no estimate during training; measure with `regen eval` after it")
+            self.every = 0
+            if is_main:
+                log.warning("%s", self.skipped)
+            return
         from regen.train.heldout import heldout_split
 
         self.rows = heldout_rows(run, heldout_split(run, cfg.heldout_fraction, cfg.heldout_per_cell), cfg.eval_rows,
@@ -189,6 +199,8 @@ class PeriodicEval:
 
     def summary(self) -> dict:
         """What the training summary carries: the curve's (step, estimate) points, the best, the method."""
+        if self.skipped:
+            return {"skipped": self.skipped}
         if self.every <= 0:
             return {}
         return {"eval_every": self.every, "method": METHOD, "best": self.best,
@@ -198,7 +210,7 @@ class PeriodicEval:
 
 
 class TrainHooks:
-    """What `regen.train.loop` calls besides training: the trackers (`regen.train.tracking.Tracker`), the progress
+    """What `regen.train.trainer.Trainer` calls besides training: the trackers (`regen.train.tracking.Tracker`), the progress
     line and the evaluation during training with the best checkpoint (`PeriodicEval`).
 
     `log(rec)` per logged step; `after_step(step, model, final=False)` after every step (collective: every rank

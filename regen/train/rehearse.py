@@ -1,8 +1,8 @@
 """The two passes of `regen.report.rehearse` (`regen.rehearse`): one optimizer step of the trainer at its real size on
 stand-in tensors.
 
-The trainer's own code runs (`regen.train.build.build_draft`, `loop.share_frozen_with_target`, `make_objective`,
-`parallel.shard_model` (FSDP2), `loop.prepare_microbatch`, the feature path through `features.client.RemoteFeatures`
+The trainer's own code runs (`regen.train.build.build_draft`, `step.share_frozen_with_target`, `make_objective`,
+`parallel.shard_model` (FSDP2), `step.prepare_microbatch`, the feature path through `features.client.RemoteFeatures`
 and `features.staging.Staging` (the CUDA seam stood in for), `step.train_step` (loss, clip, AdamW step) and the
 checkpoint's `parallel.gathered_model_state`), on tensors that hold no memory, in two passes:
 
@@ -222,11 +222,11 @@ def _meta_module_build():
 
 
 def _build(profile, cfg, tc, shape, device, *, fsdp: bool, mesh=None):
-    """(model, optimizer, target head) as `regen.train.loop._train` builds them, on `device`."""
+    """(model, optimizer, target head) as `regen.train.trainer.Trainer.build` builds them, on `device`."""
     import torch
 
     from regen.train.build import build_draft
-    from regen.train.loop import make_objective, share_frozen_with_target
+    from regen.train.step import make_objective, share_frozen_with_target
     from regen.train.parallel import DistInfo, shard_model
 
     t = profile.train
@@ -290,7 +290,7 @@ def memory_pass(profile, cfg, tc, shape) -> dict:
 
     from regen.train import collectives
     from regen.train.features import client
-    from regen.train.loop import prepare_microbatch
+    from regen.train.step import prepare_microbatch
     from regen.train.parallel import gathered_model_state
     from regen.train.rehearse_modes import Watch
     from regen.train.step import train_step
@@ -377,7 +377,7 @@ def placement_pass(profile, cfg, tc, shape) -> dict:
     import torch
 
     from regen.train.features import client
-    from regen.train.loop import prepare_microbatch
+    from regen.train.step import prepare_microbatch
     from regen.train.rehearse_modes import Watch
     from regen.train.step import train_step
 

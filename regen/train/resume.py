@@ -88,7 +88,7 @@ def check_resume(checkpoint: Path, now: dict, *, shards_manifest: dict | None, f
     """Compare `checkpoint`'s training.json `resume_key` with `now` (`resume_key`). Raises ResumeMismatch naming
     every refused difference (both values, the --set that restores it, and the way to change it instead); returns
     the applied changes [{"setting", "old", "new", "note"}] (one note for a checkpoint written before the record).
-    `lr_lambda(total_steps, warmup_frac, min_lr_frac) -> f(step)`: the schedule (`regen.train.loop.lr_lambda`),
+    `lr_lambda(total_steps, warmup_frac, min_lr_frac) -> f(step)`: the schedule (`regen.train.trainer.lr_lambda`),
     to report the lr multiplier a schedule-length change gives at the restored step."""
     training = (json.loads((Path(checkpoint) / "training.json").read_text())
                 if (Path(checkpoint) / "training.json").is_file() else {})

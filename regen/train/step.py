@@ -1,9 +1,84 @@
-"""One optimizer step of the trainer and its metrics (split from `regen.train.loop`, which imports both):
-`train_step` runs a step's micro-batches, agrees on finiteness across ranks and steps the optimizer;
+"""One optimizer step of the trainer (`regen.train.trainer.Trainer` runs it) and what it is made of:
+`make_objective` wraps the draft in the module FSDP2 shards (its forward is the DSpark loss),
+`share_frozen_with_target` points the draft's frozen embeddings and head at the target's, `prepare_microbatch`
+turns a feed micro-batch into the step's device batch, anchors and slot layout (planned on the host),
+`train_step` runs a step's micro-batches, agrees on finiteness across ranks and steps the optimizer,
 `reduce_metrics` reads the step's device metrics to the host at a log step."""
 from __future__ import annotations
 
 import time
+
+from regen.errors import InputError
+
+
+def make_objective(draft):
+    """Wrap `draft` in a module whose forward is the DSpark loss, so FSDP2's root (this wrapper) unshards every
+    parameter the loss touches (lm_head, Markov and confidence heads are used outside `draft.forward`)."""
+    from torch import nn
+
+    from regen.train.loss import dspark_loss
+
+    class Objective(nn.Module):
+        def __init__(self, draft):
+            super().__init__()
+            self.draft = draft
+
+        @property
+        def config(self):
+            return self.draft.config
+
+        def forward(self, batch, features, anchors, keep, weights=(0.1, 0.9, 1.0), denominator=None):
+            return dspark_loss(self.draft, batch, features, anchors, keep, weights=weights,
+                               denominator=denominator, metrics_on_device=denominator is not None,
+                               layout=batch.get("slot_layout"))
+
+    return Objective(draft)
+
+
+def share_frozen_with_target(draft, target_model, dtype) -> None:
+    """Point the draft's frozen embed_tokens/lm_head at the target's tensors when they match in shape, dtype and
+    device (one copy in memory instead of two: 2 x 262K x 640 floats for Gemma); else cast them to `dtype`."""
+    import torch
+
+    for mine, theirs in ((draft.embed_tokens, target_model.get_input_embeddings()),
+                         (draft.lm_head, target_model.get_output_embeddings())):
+        w = theirs.weight
+        if w.shape == mine.weight.shape and w.dtype == dtype and w.device == mine.weight.device:
+            mine.weight = w if not w.requires_grad else torch.nn.Parameter(w.detach(), requires_grad=False)
+        elif mine.weight.dtype != dtype:  # (already in dtype: nothing to convert, nor to swap on fake tensors)
+            mine.to(dtype)
+
+
+def prepare_microbatch(mb, seed: int, draft_cfg, device, t2d=None):
+    """(batch dict on `device`, anchors int64[B, N], keep bool[B, N]) for a feed MicroBatch.
+
+    Anchors come from a generator seeded by (seed, epoch, global micro-batch index): identical for the same
+    sample at any world size and after a resume (spec §5 sampling: uniform without replacement, sorted).
+    t2d: bool[V] of a reduced draft vocabulary (`DSparkDraft.t2d`): tokens outside it leave the loss mask after
+    the anchors are drawn, so no supervised slot has one as its target (EAGLE-3's position mask; the
+    evaluation mask's cumulative product ends a block there).
+    """
+    import torch
+
+    from regen.train.loss import sample_anchors, slot_layout
+    from regen.train.feed import stable_hash
+
+    top = int(mb.input_ids.max())
+    if top >= draft_cfg.vocab_size:
+        raise InputError(f"sample {mb.sample_ids} has token id {top} >= the target's vocab_size "
+                         f"{draft_cfg.vocab_size}: the shards were rendered with another tokenizer than the target's")
+    gen = torch.Generator().manual_seed(stable_hash(seed, mb.epoch, mb.index, "anchors") & ((1 << 62) - 1))
+    anchors, keep = sample_anchors(mb.loss_mask, draft_cfg.num_anchors, gen)  # an anchor token is only an input
+    loss_mask = mb.loss_mask if t2d is None else mb.loss_mask & t2d.cpu()[mb.input_ids]
+    # the supervised slots' index plan, from the host copies: the loss reads nothing back from the device
+    layout = slot_layout(anchors, keep, loss_mask, draft_cfg.block_size, draft_cfg.loss_decay_gamma,
+                         input_ids=mb.input_ids, t2d=None if t2d is None else t2d.cpu())
+    batch = {"input_ids": mb.input_ids.to(device), "loss_mask": loss_mask.to(device),
+             "attention_mask": mb.attention_mask.to(device), "key": (mb.epoch, mb.index),
+             "num_tokens": int(mb.attention_mask.sum()),  # counted on the host copy: no device read
+             "slot_layout": layout.to(device)}
+    return batch, anchors.to(device), keep.to(device)
+
 
 
 def zero_loss(batch: dict) -> None:

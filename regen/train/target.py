@@ -240,7 +240,7 @@ class TargetFeatures:
         return taps, out.last_hidden_state
 
     def features_of(self, batch: dict):
-        """`features(batch["input_ids"], batch["attention_mask"])`: the trainer's call (`regen.train.loop.train_step`),
+        """`features(batch["input_ids"], batch["attention_mask"])`: the trainer's call (`regen.train.step.train_step`),
         shared with the producer path's `regen.train.features.client.RemoteFeatures.features_of`."""
         return self.features(batch["input_ids"], batch["attention_mask"])
 

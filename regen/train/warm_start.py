@@ -75,20 +75,6 @@ class InitDraft:
         return None if self.d2t is None else self.d2t.long() + torch.arange(self.d2t.numel())
 
 
-def _folder(path: str | Path) -> Path:
-    p = Path(path)
-    if (p / "config.json").is_file():
-        return p
-    from regen.train.eval import resolve_draft_dir
-
-    try:
-        return resolve_draft_dir(p)
-    except InputError:
-        raise InputError(f"train.init_from {str(path)!r}: no draft there (config.json, or latest.json of a training "
-                         "directory); give a step folder (runs/<name>/train/checkpoints/step-N), a training or run "
-                         "directory, or an exported K3DSparkModel / Qwen3DSparkModel folder") from None
-
-
 def read_init(path: str | Path) -> InitDraft:
     """Read the draft at `path` (module docstring). InputError for a missing or unreadable one, a layout this
     project does not read, or a non-finite weight."""
@@ -96,7 +82,9 @@ def read_init(path: str | Path) -> InitDraft:
 
     from regen.train.guard import nonfinite_tensors
 
-    folder = _folder(path)
+    from regen.train.checkpoint import find_draft
+
+    folder = find_draft(path, "train.init_from")
     raw = json.loads((folder / "config.json").read_text())
     weights = folder / "model.safetensors"
     if not weights.is_file():

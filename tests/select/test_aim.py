@@ -17,7 +17,7 @@ from regen.select.aim import allocate, is_heldout
 from regen.select.stage import next_round as next_selection
 from regen.select.stage import run_select
 from regen.train.eval import Round
-from regen.train.eval import is_heldout as train_is_heldout
+from regen.train.heldout import is_heldout as train_is_heldout
 from regen.train.eval_cells import breakdown
 from schemas.prompt import turn_positions
 

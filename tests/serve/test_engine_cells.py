@@ -80,5 +80,5 @@ def test_regen_side_resolves_a_training_directory_and_names_a_folder_without_one
     from regen.errors import InputError
     from regen.serve.engines.spec_eval import regen_side
 
-    with pytest.raises(InputError, match="no trainer checkpoint there"):
+    with pytest.raises(InputError, match="--draft .*no draft there"):
         regen_side(load_profile("local").train, [], tmp_path / "train", 8)

@@ -14,7 +14,7 @@ import torch
 
 def build(seed: int, info):
     from regen.train.draft_config import DSparkConfig
-    from regen.train.loop import make_objective
+    from regen.train.step import make_objective
     from regen.train.model import DSparkDraft
     from regen.train.parallel import shard_model
 

@@ -157,11 +157,12 @@ def test_training_with_a_draft_vocabulary_counts_training_rows_and_resumes_with_
 
     from regen.train.feed import ShardFeed
     from regen.rundir import RunDir
-    from regen.train.loop import feed_config, run_train
+    from regen.train.feed import FeedConfig
+    from regen.train.loop import run_train
 
     profile, run_dir = tiny_run
     cfg = train_cfg(profile, max_steps=5, draft_vocab_size=200, log_samples=True)
-    counts = ShardFeed(run_dir / "shards", feed_config(cfg)).supervised_token_counts(512)
+    counts = ShardFeed(run_dir / "shards", FeedConfig.from_train(cfg)).supervised_token_counts(512)
     ids, report = select_draft_vocab(counts, 200, always=[1])
     other = tmp_path / "other"
     shutil.copytree(run_dir / "shards", other / "shards")

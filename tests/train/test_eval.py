@@ -6,7 +6,8 @@ import json
 import pytest
 import torch
 
-from regen.train.eval import Round, is_heldout, replay_rounds, score_round, summarize
+from regen.train.eval import Round, replay_rounds, score_round, summarize
+from regen.train.heldout import is_heldout
 
 EOS = 0
 

@@ -186,7 +186,7 @@ def test_left_truncation_keeps_the_end_of_long_rows(shard_writer):
 
 
 def test_heldout_fraction_uses_the_eval_split(shard_writer):
-    from regen.train.eval import is_heldout
+    from regen.train.heldout import is_heldout
 
     rows = make_rows(60, seed=11)
     shard_writer.add(rows, complete=True)

@@ -1,5 +1,5 @@
 """The training FLOPs counted per part (`regen.train.flops`) against PyTorch's own counter
-(`torch.utils.flop_counter.FlopCounterMode`) over the trainer's objective (`regen.train.loop.make_objective`, the
+(`torch.utils.flop_counter.FlopCounterMode`) over the trainer's objective (`regen.train.step.make_objective`, the
 module `train_step` calls): forward and backward of real tensors at small shapes, of meta tensors at the kimi-k3
 shape (nothing allocated)."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 
 from regen.train.draft_config import DSparkConfig
 from regen.train.flops import PARTS, plan_flops, pt_rows_of, row_flops, row_flops_by_pass
-from regen.train.loop import make_objective
+from regen.train.step import make_objective
 from regen.train.loss import decay_weights, evaluation_mask, sample_anchors, slot_layout, slot_positions
 from regen.train.model import DSparkDraft
 

@@ -16,7 +16,7 @@ from regen.errors import InputError
 from regen.train import collectives
 from regen.train.collectives import CollectiveDeviceError, declare_backend
 from regen.train.feed import FeedConfig, ShardFeed
-from regen.train.loop import make_objective, prepare_microbatch, reduce_metrics, train_step
+from regen.train.step import make_objective, prepare_microbatch, reduce_metrics, train_step
 from regen.train.model import DSparkDraft, small_config_for_target
 from regen.train.parallel import init_distributed, shard_model
 from regen.train.target import TargetContract, TargetFeatures

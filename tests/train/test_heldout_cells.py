@@ -11,7 +11,7 @@ import pytest
 
 from regen.errors import InputError
 from regen.rundir import RunDir
-from regen.train.eval import is_heldout
+from regen.train.heldout import is_heldout
 from regen.train.heldout import HeldoutSplit, cell_picks, eval_order, first_selection_cells, heldout_split
 
 

@@ -75,7 +75,7 @@ def test_the_recorder_sees_each_kind_of_host_sync():
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("extra", [{}, {"markov_rank": 0}, {"final_logit_softcapping": 3.0, "fc_norm": True}])
 def test_one_micro_batch_loss_and_backward_run_on_meta_without_a_host_sync(fused, extra):
-    """As the trainer runs it (`regen.train.loop.prepare_microbatch`): anchors and the slot layout from the host
+    """As the trainer runs it (`regen.train.step.prepare_microbatch`): anchors and the slot layout from the host
     copies, then everything on the device, here `meta`, where any `.item()`, `nonzero`, boolean-mask index or
     `unique` raises. Several vocabulary chunks (chunk_slots=3), metrics kept on the device."""
     cfg = tiny_cfg(block_size=4, **extra)

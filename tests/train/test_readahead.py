@@ -177,7 +177,7 @@ def target(tiny_target):
 
 
 def _build(target, info, sgd):
-    from regen.train.loop import make_objective
+    from regen.train.step import make_objective
     from regen.train.model import DSparkDraft, small_config_for_target
     from regen.train.parallel import shard_model
 
@@ -201,7 +201,7 @@ def _steps(run_dir, n_steps, grad_accum=3):
 def _train(target, info, steps, remote, *, read_ahead, zero=(), sgd=False, normalization="step"):
     """`steps` trained through `remote`: serial (`fetch` then `zero` keys zeroed, as the loop does) or read ahead
     (the next step submitted while this one trains). Returns (params, [train_step metrics])."""
-    from regen.train.loop import prepare_microbatch
+    from regen.train.step import prepare_microbatch
     from regen.train.parallel import full_model_state
     from regen.train.step import train_step, zero_loss
 
@@ -241,7 +241,7 @@ def test_training_through_the_reader_equals_the_serial_path_bit_for_bit(tiny_run
     thread, the next step submitted early) equals the one trained with every object read before its step, every
     weight bit for bit, the same losses; and both equal features computed in process."""
     from regen.train.parallel import full_model_state
-    from regen.train.loop import prepare_microbatch
+    from regen.train.step import prepare_microbatch
     from regen.train.step import train_step
 
     steps = _steps(tiny_run[1], 2)

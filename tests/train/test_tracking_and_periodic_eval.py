@@ -98,15 +98,20 @@ def test_tracking_refuses_a_backend_that_is_not_installed(tiny_run):
 
 
 @pytest.mark.integration
-def test_periodic_eval_needs_held_out_rows_and_in_process_features(tiny_run):
+def test_periodic_eval_needs_held_out_rows_and_in_process_features(tiny_run, caplog):
+    """No held-out row: refused before the first step. Producers (no features of held-out rows): the estimate is
+    skipped with its reason, logged and in the summary, and never runs."""
     profile, run_dir = tiny_run
     with pytest.raises(InputError, match="no held-out rows"):
         run_train(train_cfg(profile, max_steps=2, heldout_fraction=0.0, eval_every=1), RunDir.at(run_dir))
     from regen.train.periodic_eval import PeriodicEval
 
     cfg = train_cfg(profile, eval_every=5, features="producers")
-    with pytest.raises(InputError, match="train.features: in_process"):
-        PeriodicEval(cfg, RunDir.at(run_dir), run_dir / "train", None, is_main=True)
+    with caplog.at_level("WARNING", logger="regen.train.periodic_eval"):
+        p = PeriodicEval(cfg, RunDir.at(run_dir), run_dir / "train", None, is_main=True)
+    assert "train.features: in_process" in caplog.text
+    assert not p.due(5) and not p.due(7, final=True) and p.maybe(5, None) is None
+    assert p.summary() == {"skipped": p.skipped} and "no estimate during training" in p.skipped
 
 
 def test_progress_line_at_its_interval_only():

@@ -278,7 +278,8 @@ def test_eval_keeps_to_the_split_recorded_at_training_time(tiny_run, tmp_path):
 
     from train_helpers import make_rows
 
-    from regen.train.eval import is_heldout, run_eval
+    from regen.train.eval import run_eval
+    from regen.train.heldout import is_heldout
 
     profile, run_dir = tiny_run
     run_train(train_cfg(profile, max_steps=1, heldout_fraction=0.3), RunDir.at(run_dir))

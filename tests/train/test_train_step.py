@@ -11,7 +11,8 @@ from regen.train.model import DSparkDraft, small_config_for_target
 from regen.train.feed import FeedConfig, ShardFeed
 from regen.train.parallel import full_model_state, full_optim_state, init_distributed, shard_model
 from regen.train.target import TargetContract, TargetFeatures
-from regen.train.loop import lr_lambda, make_objective, prepare_microbatch, train_step
+from regen.train.step import make_objective, prepare_microbatch, train_step
+from regen.train.trainer import lr_lambda
 
 
 @pytest.fixture(scope="module")

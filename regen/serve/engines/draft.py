@@ -74,18 +74,6 @@ class DraftCheckpoint:
         return self.training.get("step")
 
 
-def resolve_step_folder(path: str | Path) -> Path:
-    """A step folder (with config.json), `<run>/train` (its latest.json), or a run directory. InputError else."""
-    from regen.train.eval import resolve_draft_dir
-
-    try:
-        return resolve_draft_dir(path)
-    except InputError:
-        raise InputError(f"--draft {str(path)!r}: no trainer checkpoint there (config.json, train/latest.json or "
-                         "latest.json); give a step folder such as runs/local/train/checkpoints/step-000750, or the "
-                         "run directory for its latest step") from None
-
-
 def load_draft_checkpoint(path: str | Path) -> DraftCheckpoint:
     """Read a trainer step folder for export. InputError when it is missing, is not a regen draft
     folder (an engine's export given back), or holds a non-finite weight (a diverged run: the engine would serve
@@ -94,7 +82,9 @@ def load_draft_checkpoint(path: str | Path) -> DraftCheckpoint:
     from regen.train.draft_config import CONFIG_NAME, WEIGHTS_NAME, DSparkConfig
     from schemas.io import read_json, sha256_file
 
-    folder = resolve_step_folder(path)
+    from regen.train.checkpoint import find_draft
+
+    folder = find_draft(path)
     try:
         cfg = DSparkConfig.from_json(folder / CONFIG_NAME)
     except ValueError as exc:

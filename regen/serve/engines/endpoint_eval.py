@@ -288,10 +288,10 @@ def run_endpoint_eval(profile, run, args, log=print) -> dict:
             raise InputError(f"--benchmark {name!r}: no such set; choose from {', '.join(benchmarks())}")
     drafts = {}
     if not args.benchmarks_only:
-        from regen.serve.engines.draft import resolve_step_folder
+        from regen.train.checkpoint import find_draft
 
         try:
-            drafts = {"trained": resolve_step_folder(args.draft or run.train)}
+            drafts = {"trained": find_draft(args.draft or run.train)}
         except InputError:
             if args.draft:
                 raise

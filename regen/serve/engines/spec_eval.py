@@ -197,10 +197,10 @@ def regen_side(train_cfg, prompts: list[dict], ddir: Path, max_new_tokens: int, 
     """regen's own acc_len of the trained draft on the same prompts (trainer fp32 target): regen eval's protocol
     and the engine's budget rule; `engine_tokens` {gguf_type: [tokens per prompt]}: how much of each engine's
     answer equals the fp32 target's greedy continuation. `ddir`: a step folder, a training directory or a run
-    (its latest step: `resolve_step_folder`); InputError when none holds a checkpoint."""
+    (its latest step: `regen.train.checkpoint.find_draft`); InputError when none holds a checkpoint."""
     import torch
 
-    from regen.serve.engines.draft import resolve_step_folder
+    from regen.train.checkpoint import find_draft
 
     from regen.config import resolve_path
     from regen.train.eval import greedy_reference, proposal_table, replay_rounds, summarize
@@ -209,7 +209,7 @@ def regen_side(train_cfg, prompts: list[dict], ddir: Path, max_new_tokens: int, 
     from regen.train.target import TargetContract, TargetFeatures
     from regen.train.draft_config import DSparkConfig
 
-    ddir = resolve_step_folder(ddir)
+    ddir = find_draft(ddir)
     dcfg = DSparkConfig.from_json(ddir / "config.json")
     target = TargetFeatures.from_pretrained(resolve_path(train_cfg.target), TargetContract.from_draft_config(dcfg),
                                             device="cpu")
@@ -284,7 +284,7 @@ def run_engine_eval(profile, run, *, draft_dir=None, num_prompts: int | None = N
     Raises InputError when the profile serves no embedded llama.cpp target, the run has no checkpoint or no
     held-out prompt, or the draft does not fit llama.cpp (EngineRefused, with every reason)."""
     from regen.errors import InputError
-    from regen.serve.engines.draft import resolve_step_folder
+    from regen.train.checkpoint import find_draft
     from regen.serve.server import resolve_engine
     from regen.train.draft_config import DSparkConfig
     from regen.train.eval import heldout_prompts
@@ -295,7 +295,7 @@ def run_engine_eval(profile, run, *, draft_dir=None, num_prompts: int | None = N
     if not serve.enabled or resolve_engine(serve, log) != "llama.cpp":
         raise InputError("regen engine-eval serves the embedded target with llama.cpp: the profile needs "
                          "serve.enabled true and serve.engine llama.cpp (with xllamacpp installed: scripts/setup.sh)")
-    ddir = resolve_step_folder(draft_dir or run.train)
+    ddir = find_draft(draft_dir or run.train)
     cfg = DSparkConfig.from_json(ddir / "config.json")
     gguf, launch = export_for_llama_cpp(profile, run, ddir, log=log)
     t = profile.train

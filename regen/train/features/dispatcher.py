@@ -1,6 +1,6 @@
 """The feature dispatcher: leases the trainer's micro-batches to producers, in the feed's order, within a byte budget.
 
-Runs in trainer rank 0 (`regen.train.loop`), as an HTTP/JSON server (stdlib `ThreadingHTTPServer`; `host`
+Runs in trainer rank 0 (`regen.train.trainer`), as an HTTP/JSON server (stdlib `ThreadingHTTPServer`; `host`
 127.0.0.1 unless a cluster's producers must reach it). Only the control plane passes through it: token ids of a
 micro-batch to its producer, then the key, size and header of the object the producer put in the store. Feature
 bytes go producer -> store -> trainer rank (`regen.train.features.store`).
