@@ -275,7 +275,7 @@ def _round_train(job: Job) -> tuple[TrainConfig, str]:
     """A round's training config (from the draft its selection names, `train_steps` steps) and its number `NN`."""
     rec, t = job.results["select"], job.profile.train
     cfg = t.model_copy(update={"init_from": rec["init_from"],
-                               **({"max_steps": job.step.train_steps} if job.step.train_steps else {})})
+                               **({"max_steps": job.loop.train_steps} if job.loop.train_steps else {})})
     return cfg, f"{rec['round']:02d}"
 
 

@@ -115,12 +115,12 @@ def test_report_of_the_run_in_chromium(local_run, chromium, tmp_path):
     _regen("report", "--run", str(run))
     dom = dump_dom(chromium, run / "report.html", tmp_path)
     # mix, languages, prompt and response lengths, finish reasons, rejects, throughput, drift; acc_len per cell and
-    # per-position acceptance (issue 28); the training loss and tau: every plot the report holds is an image the
-    # browser decoded
+    # per-position acceptance; the training loss and tau; the held-out estimate during training (the local profile
+    # runs it every 250 steps and at the last): every plot the report holds is an image the browser decoded
     plots = (run / "report.html").read_text().count('class="plot-img"')
     text = (run / "report.html").read_text()
-    assert 'id="plot-training"><img' in text
-    assert plots == 11 and f'data-images-ok="{plots}"' in dom, (plots, dom[:1000])
+    assert 'id="plot-training"><img' in text and 'id="plot-eval_curve"><img' in text
+    assert plots == 12 and f'data-images-ok="{plots}"' in dom, (plots, dom[:1000])
 
 
 def test_the_main_job_trains_through_feature_producers_with_one_switch(local_run):
