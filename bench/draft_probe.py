@@ -26,22 +26,18 @@ figures to `--out` (default `<draft>/probe-<split>.json`).
 """
 from __future__ import annotations
 
+import os  # os and sys: loaded when Python starts, nothing in bench/ can shadow them
 import sys
-from pathlib import Path
 
-# bench/ holds select.py etc.: drop it from the import path so stdlib modules are not shadowed
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/: _preamble (a test imports by path)
+import _preamble  # noqa: E402, F401 - bench/ off sys.path, the repository root first, HF offline
+
+from pathlib import Path
 
 import argparse
 import contextlib
 import dataclasses
-import os
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 VARIANTS = ("draft", "backbone", "markov", "no_context")
 NEAR = 8  # distances 1…NEAR reported one by one, the rest summed

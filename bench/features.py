@@ -37,14 +37,16 @@ cluster, where producers have their own GPUs; the capacities say which side to g
 """
 from __future__ import annotations
 
+import os  # os and sys: loaded when Python starts, nothing in bench/ can shadow them
 import sys
-from pathlib import Path
 
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/: _preamble (a test imports by path)
+from _preamble import ROOT, sibling  # noqa: E402 - bench/ off sys.path, the repository root first, HF offline
+
+from pathlib import Path
 
 import argparse
 import json
-import os
 import resource
 import shutil
 import subprocess
@@ -52,11 +54,6 @@ import tempfile
 import threading
 import time
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 GiB = 1024 ** 3
 SECTIONS = ("transport", "k3_stream", "overlap", "value_check", "end_to_end")
 
@@ -356,7 +353,7 @@ def value_check(tokens: int, reps: int = 5) -> dict:
 
 
 def end_to_end(target: Path, steps: int, rows: int, length: int, tmp: Path, sets: list[str]) -> dict:
-    from bench_train import synthetic_shards  # bench/train.py's generator (loaded by path in main)
+    synthetic_shards = sibling("train").synthetic_shards  # bench/train.py's generator
 
     from regen.train.features.store import env_for_children
 
@@ -405,12 +402,7 @@ def main(argv=None) -> int:
             return subprocess.run(cmd, env={**env_for_children(), ENV_FLAG: "1"}).returncode
         print("bench/features.py: no network namespace here; Mooncake clients listen on all interfaces",
               file=sys.stderr)
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_train", Path(__file__).with_name("train.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    sys.modules["bench_train"] = mod
+    mod = sibling("train")  # bench/train.py
     tmp = Path(tempfile.mkdtemp(prefix="regen-bench-features-"))
     try:
         import yaml

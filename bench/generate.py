@@ -21,13 +21,11 @@ at 4,096 in flight.
 """
 from __future__ import annotations
 
-import os
+import os  # os and sys: loaded when Python starts, nothing in bench/ can shadow them
 import sys
 
-# `python bench/x.py` puts bench/ first on sys.path, where a sibling module (bench/select.py) would shadow the
-# standard library's `select`: drop that entry before importing anything else.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/: _preamble (a test imports by path)
+from _preamble import ROOT  # noqa: E402 - bench/ off sys.path, the repository root first, HF offline
 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
@@ -37,9 +35,6 @@ import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 def start_server(tokens: int, delay_s: float = 0.0) -> tuple[subprocess.Popen, str]:

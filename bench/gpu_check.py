@@ -37,26 +37,23 @@ the code paths, not a measurement.
 """
 from __future__ import annotations
 
+import os  # os and sys: loaded when Python starts, nothing in bench/ can shadow them
 import sys
-from pathlib import Path
 
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/: _preamble (a test imports by path)
+from _preamble import ROOT  # noqa: E402 - bench/ off sys.path, the repository root first, HF offline
+
+from pathlib import Path
 
 import argparse
 import collections
 import json
 import math
-import os
 import subprocess
 import time
 import traceback
 import warnings
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 GiB = 1024 ** 3
 SECTIONS = ("k3_step", "store_step", "h2d", "train", "attention")  # flex compiles last
 NO_CUDA_EXIT = 3
@@ -319,7 +316,6 @@ def section_store_step(args, device, info) -> dict:
     """One step of grad_accum micro-batches through `RemoteFeatures` against the same rows resident on the device."""
     from types import SimpleNamespace
 
-    import torch
 
     from regen.train.features import client as client_mod
     from regen.train.features.client import RemoteFeatures

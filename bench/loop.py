@@ -17,16 +17,17 @@ there), and writes `<out>/loop.json`. Generation goes through the profile's targ
 """
 from __future__ import annotations
 
+import os  # os and sys: loaded when Python starts, nothing in bench/ can shadow them
+import sys
+
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/: _preamble (a test imports by path)
+from _preamble import ROOT  # noqa: E402 - bench/ off sys.path, the repository root first, HF offline
+
 import argparse
 import json
-import os
 import shutil
-import sys
 import time
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 def arm(profile_name: str, overrides: list[str], base: Path, out: Path, *, policy: str, seed: int, budget: int,

@@ -21,11 +21,11 @@ Ratio = render tokens/s / baseline tokens/s (goal >= 0.7).
 """
 from __future__ import annotations
 
+import os  # os and sys: loaded when Python starts, nothing in bench/ can shadow them
 import sys
 
-# bench/ holds scripts named like stdlib modules (select.py): keep it off the import path.
-_HERE = __import__("os").path.dirname(__import__("os").path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if p and __import__("os").path.abspath(p) != _HERE]
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/: _preamble (a test imports by path)
+from _preamble import ROOT  # noqa: E402 - bench/ off sys.path, the repository root first, HF offline
 
 import argparse  # noqa: E402
 import json  # noqa: E402
@@ -35,8 +35,6 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "render"))
 PROMPTS = ROOT / "data" / "pool"
 

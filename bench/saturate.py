@@ -26,22 +26,17 @@ sane, not the goals. Wall-clock figures depend on the machine's load (printed).
 """
 from __future__ import annotations
 
-import os
+import os  # os and sys: loaded when Python starts, nothing in bench/ can shadow them
 import sys
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/: _preamble (a test imports by path)
+from _preamble import ROOT  # noqa: E402 - bench/ off sys.path, the repository root first, HF offline
 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from regen.config.generate import ConcurrencyConfig, TimeoutConfig  # noqa: E402
 from regen.generate.client import ChatClient  # noqa: E402

@@ -26,11 +26,11 @@ is run by the test suite, which checks that the figures are printed and that not
 """
 from __future__ import annotations
 
-import os
+import os  # os and sys: loaded when Python starts, nothing in bench/ can shadow them
 import sys
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/: _preamble (a test imports by path)
+from _preamble import ROOT  # noqa: E402 - bench/ off sys.path, the repository root first, HF offline
 
 import argparse  # noqa: E402
 import json  # noqa: E402
@@ -44,8 +44,6 @@ import urllib.request  # noqa: E402
 from collections import Counter  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 os.chdir(ROOT)  # the local profile's source paths are relative to the repository root
 
 import psutil  # noqa: E402

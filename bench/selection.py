@@ -12,14 +12,15 @@ same file with `pyarrow.parquet.read_table` alone, measured in the same run.
 """
 from __future__ import annotations
 
+import os  # os and sys: loaded when Python starts, nothing in bench/ can shadow them
 import sys
+
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/: _preamble (a test imports by path)
+from _preamble import ROOT  # noqa: E402 - bench/ off sys.path, the repository root first, HF offline
+
 from pathlib import Path
 
-# run as a script: keep bench/ off sys.path (no bench script may shadow a stdlib module) and the repo root on it
-HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
-REPO = HERE.parent
-sys.path.insert(0, str(REPO))
+REPO = ROOT
 
 import argparse  # noqa: E402
 import json  # noqa: E402

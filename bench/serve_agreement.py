@@ -24,11 +24,11 @@ Prints one JSON line per type and a SUMMARY line.
 """
 from __future__ import annotations
 
-import os
+import os  # os and sys: loaded when Python starts, nothing in bench/ can shadow them
 import sys
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/: _preamble (a test imports by path)
+from _preamble import sibling  # noqa: E402 - bench/ off sys.path, the repository root first, HF offline
 
 import argparse  # noqa: E402
 import json  # noqa: E402
@@ -36,10 +36,6 @@ import math  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, _HERE)
 
 import httpx  # noqa: E402
 
@@ -110,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     from regen.config import load_profile, resolve_path
     from regen.render.hf_template import HFTemplateRenderer
     from regen.serve.server import EmbeddedTarget
-    from serve_target import bench_prompts, cpu_line
+    bench_prompts, cpu_line = sibling("serve_target").bench_prompts, sibling("serve_target").cpu_line
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gguf-types", default="q8_0,f32")

@@ -21,11 +21,13 @@ load average). `--quick` (the test suite): llama.cpp only, levels 1 and 4, 5 s, 
 """
 from __future__ import annotations
 
-import os
+import os  # os and sys: loaded when Python starts, nothing in bench/ can shadow them
 import sys
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/: _preamble (a test imports by path)
+from _preamble import sibling  # noqa: E402 - bench/ off sys.path, the repository root first, HF offline
+
+
 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
@@ -34,9 +36,6 @@ import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
 import psutil  # noqa: E402
@@ -158,7 +157,7 @@ def start_hogs(n: int) -> list[subprocess.Popen]:
 
 
 def run_engine(engine: str, serve, prompts, levels, seconds, params, log_dir: Path) -> dict:
-    from regen.serve.server import EmbeddedTarget, engine_identity, sampling
+    from regen.serve.server import EmbeddedTarget, engine_identity
 
     cfg = serve.model_copy(update={"engine": engine})
     ident = engine_identity(cfg)
@@ -187,7 +186,7 @@ def sampling_of(params: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from regen.config import load_profile, parse_override
+    from regen.config import load_profile
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--engines", default=",".join(ENGINES))
@@ -240,10 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"summary": summary, "results": results}, indent=1))
     if not args.no_agreement and any(r["engine"] == "llama.cpp" for r in done):
-        sys.path.insert(0, _HERE)
-        import serve_agreement  # bench/serve_agreement.py
-
-        serve_agreement.main(["--quick"] if args.quick else [])
+        sibling("serve_agreement").main(["--quick"] if args.quick else [])
     return 0
 
 

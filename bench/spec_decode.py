@@ -16,11 +16,11 @@ prompts, 16 tokens, levels 1 and 2.
 """
 from __future__ import annotations
 
-import os
+import os  # os and sys: loaded when Python starts, nothing in bench/ can shadow them
 import sys
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/: _preamble (a test imports by path)
+import _preamble  # noqa: E402, F401 - bench/ off sys.path, the repository root first, HF offline
 
 import argparse  # noqa: E402
 import json  # noqa: E402
@@ -28,9 +28,6 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 from concurrent.futures import ThreadPoolExecutor  # noqa: E402
 from pathlib import Path  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 def cpu_line() -> dict:

@@ -17,10 +17,15 @@ Every line carries the 1-minute load average (the machine is shared) and CPU sec
 """
 from __future__ import annotations
 
+import os  # os and sys: loaded when Python starts, nothing in bench/ can shadow them
+import sys
+
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/: _preamble (a test imports by path)
+import _preamble  # noqa: E402, F401 - bench/ off sys.path, the repository root first, HF offline
+
 import argparse
 import asyncio
 import json
-import os
 import re
 import time
 from collections import Counter

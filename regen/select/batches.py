@@ -183,7 +183,15 @@ class BatchRunner:
             f"{self.workers} or select.batch_rows smaller")
 
     def close(self, error: bool = False) -> None:
-        """Stop the workers (cancel the queued batches when `error`, so a failing run does not wait for them)."""
-        if self.pool is not None:
-            self.pool.shutdown(wait=True, cancel_futures=error)
-            self.pool = None
+        """Stop the workers. After an error (a dead worker among them) the workers are killed first and the queued
+        batches cancelled: ProcessPoolExecutor's own cleanup of a broken pool sends SIGTERM to the others, joins
+        them and the call queue's feeder thread, and under CI (Python 3.11.7, a full suite) that wait did not end;
+        with every worker gone nothing is left to wait on. Nothing a worker holds is kept after an error."""
+        if self.pool is None:
+            return
+        pool, self.pool = self.pool, None
+        if error:
+            for proc in list((getattr(pool, "_processes", None) or {}).values()):
+                if proc.is_alive():
+                    proc.kill()
+        pool.shutdown(wait=True, cancel_futures=error)

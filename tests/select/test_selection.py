@@ -163,6 +163,20 @@ def _select_workers(timeout_s: float = 60.0) -> list:
     raise AssertionError("no select worker started")
 
 
+def _select_workers_alive() -> list:
+    """The forkserver's children that are still running (not zombies), without waiting for one to start."""
+    import psutil
+
+    alive = []
+    for child in psutil.Process().children():
+        try:
+            if "forkserver" in " ".join(child.cmdline()):
+                alive += [w for w in child.children() if w.status() != psutil.STATUS_ZOMBIE]
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
 @pytest.mark.integration
 def test_workers_are_not_forked_from_the_calling_process(tmp_path):
     """A fork of a process with threads can inherit a lock one of them held and wait on it forever (a loop round
@@ -181,6 +195,7 @@ def test_workers_are_not_forked_from_the_calling_process(tmp_path):
 
 
 @pytest.mark.integration
+@pytest.mark.timeout(180)
 def test_a_killed_worker_fails_the_stage_with_its_remedy_and_keeps_the_last_selection(tmp_path, capsys):
     """A worker killed by the OS (here SIGKILL, as the OOM killer sends) ends `regen select` with a named error and
     exit status 1, not a wait without end; the run's previous selection is left as it was."""
@@ -207,6 +222,7 @@ def test_a_killed_worker_fails_the_stage_with_its_remedy_and_keeps_the_last_sele
 
     assert exit_code(main, "regen select") == 1
     killer.join(timeout=60)
+    assert not [p for p in _select_workers_alive()], "a select worker outlived the failed stage"
     err = capsys.readouterr().err
     assert err.startswith("regen select: error: a select worker process died") and "select.workers" in err
     assert (run.prompts / "manifest.json").read_text() == before
