@@ -13,7 +13,8 @@ itself there. Sections, all in one run on this machine:
 2. k3_stream: objects of Kimi-K3's shape (5 taps + the last hidden state, 7,168 wide, bf16: 84 KiB per token;
    rows of `--k3-tokens` tokens) through the real dispatcher and trainer-side client (`RemoteFeatures`, contract
    checked), in steps of 4 micro-batches with a budget of three objects: GiB/s, the store's own resident bytes
-   (master metrics) against the budget, and per object the host copies, bytes copied host->device and the most objects on the device.
+   (master metrics) against the budget, and per object the host copies, bytes copied host->device and the most objects
+   on the device.
 3. end_to_end: `regen train` on the same shards and steps, features in process vs through two local producer
    processes: tokens/s of each, their ratio, the data-wait fraction; and each side's capacity measured in that run:
    producer rows/s (per second of a producer's own work) and CPU-s per row, trainer rows/s and CPU-s per row with

@@ -60,7 +60,7 @@ NO_CUDA_EXIT = 3
 # every module a section imports: checked first (section 0), so a package the GPU image lacks is named up front
 MODULES = ("torch", "torch.distributed.fsdp", "torch.nn.attention", "torch.nn.attention.flex_attention",
            "torch.utils.flop_counter", "pydantic", "yaml", "safetensors", "pyarrow", "transformers",
-           "regen.config", "regen.plan", "regen.train.loop", "regen.train.trainer", "regen.train.step",
+           "regen.config", "regen.report.plan", "regen.train.loop", "regen.train.trainer", "regen.train.step",
            "regen.train.model", "regen.train.draft_config", "regen.train.parallel", "regen.train.loss", "regen.train.attention",
            "regen.train.features.client", "regen.train.features.contract", "regen.train.features.staging")
 # dense bf16 tensor-core peak per GPU, TFLOP/s (NVIDIA datasheets: H100/H200 SXM 989, B200 2,250, GB200 2,500 per GPU,
@@ -116,7 +116,7 @@ def plan_memory_gib(tokens: int, grad_accum: int = 1) -> dict | None:
     """`regen plan`'s memory per GPU for the kimi-k3 draft as this check runs it: world size 1, `grad_accum`
     micro-batches of `tokens` per step."""
     from regen.config import load_profile
-    from regen.plan import assumptions, draft_plan
+    from regen.report.plan import assumptions, draft_plan
 
     profile = load_profile("kimi-k3", [f"train.max_tokens={tokens}", f"train.max_len={tokens}",
                                        f"train.grad_accum={grad_accum}"])

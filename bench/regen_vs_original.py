@@ -23,9 +23,9 @@
 
 Prints acc_len per arm and per category with the ratios regenerated/original, and writes
 `<run>/regen_vs_original.json`: {"seeds", "untrained": {"acc_len"}, "original": {"acc_len"}, "regenerated":
-{"acc_len"}, "per_seed": [...], "per_category": {...}} (+ "sampled": the same at T); arm figures are means over the seeds. Existing checkpoints
-of a finished budget are reused (delete the folder to retrain). The run's own `train/` and `eval.json` are not
-touched.
+{"acc_len"}, "per_seed": [...], "per_category": {...}} (+ "sampled": the same at T); arm figures are means over the
+seeds. Existing checkpoints of a finished budget are reused (delete the folder to retrain). The run's own `train/` and
+`eval.json` are not touched.
 """
 from __future__ import annotations
 

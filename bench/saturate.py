@@ -10,7 +10,7 @@ then run `auto` (the same client with `ConcurrencyController` per endpoint) for 
                  beyond, ITL growing with the batch, long-tailed answers of reasoning + content (no /metrics: the
                  controller sees only throughput, TTFT, 429/503)
   slots+metrics  the same server exposing vLLM's /metrics gauges (running, waiting, KV cache usage)
-  embedded       the local profile's embedded target (`regen.serve.server.EmbeddedTarget` with the profile's serve
+  embedded       the local profile's embedded target (`regen.target.server.EmbeddedTarget` with the profile's serve
                  settings and sampling, transformers serve on CPU), 128-token answers; slow here (1 minute per
                  level, levels 1/4/8/16/32; `--only-embedded --seconds 180` is the fair length: each doubling
                  of auto waits one turnover, 6-20 s on this server): --skip-embedded leaves it out,
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             proc.wait(10)
     if not (args.quick or args.skip_embedded):
         from regen.config import load_profile
-        from regen.serve.server import EmbeddedTarget, sampling
+        from regen.target.server import EmbeddedTarget, sampling
 
         local = load_profile("local")  # the main job's server settings and sampling
         emb_auto = ConcurrencyConfig(initial=2, max=32, min_window_s=5.0, metrics_poll_s=2.0, min_samples=8)

@@ -236,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(scratch, ignore_errors=True)
     kinds = resample(pool, n, run)
     profile = load_profile("kimi-k3")
-    in_flight = args.max_in_flight or (8 if args.quick else profile.generate.max_in_flight)  # quick: long enough to kill mid-shard
+    # quick: 8 in flight, so the run lasts long enough to kill mid-shard
+    in_flight = args.max_in_flight or (8 if args.quick else profile.generate.max_in_flight)
     in_flight = in_flight if in_flight == "auto" else int(in_flight)
     servers = start_servers(args.servers)
     urls = [u for _, u in servers]

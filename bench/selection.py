@@ -6,9 +6,9 @@
 The pool is Parquet in the kimi-mtp-dataset shape (`conversations: [{from, value}]`, `source`, `tools`), written
 to a temporary folder by a child process. Rows: 88% distinct prompts (three bundled prompts, 300 characters
 each, joined with a row number; tool conversations keep their later turns), 6% exact duplicates
-(case/whitespace changed), 5% near duplicates (a few characters changed), 1% malformed (unknown role, empty conversation, bad tool JSON). Prints rows/s,
-peak RSS of the selection (psutil, sampled every 50 ms) and the ratio of the selection's time to reading the
-same file with `pyarrow.parquet.read_table` alone, measured in the same run.
+(case/whitespace changed), 5% near duplicates (a few characters changed), 1% malformed (unknown role, empty
+conversation, bad tool JSON). Prints rows/s, peak RSS of the selection (psutil, sampled every 50 ms) and the ratio of
+the selection's time to reading the same file with `pyarrow.parquet.read_table` alone, measured in the same run.
 """
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 
     .venv/bin/python -P bench/serve_agreement.py [--gguf-types q8_0,f32] [--prompts 16] [--tokens 32] [--quick]
 
-For each engine GGUF type (written on demand by regen.serve.gguf_weights, about 10 s each), the engine is started
-as the pipeline starts it (regen.serve.server.EmbeddedTarget, `serve.engine: llama.cpp`) and measured against
+For each engine GGUF type (written on demand by regen.target.gguf_weights, about 10 s each), the engine is started
+as the pipeline starts it (regen.target.server.EmbeddedTarget, `serve.engine: llama.cpp`) and measured against
 the trainer's target, `transformers` AutoModelForCausalLM on the model directory's fp32 `model.safetensors` (the
 same source GGUF, dequantized):
 
@@ -43,8 +43,8 @@ import httpx  # noqa: E402
 def ensure_gguf(serve, qtype: str) -> Path:
     """The model directory's engine-<qtype>.gguf, written from the source GGUF when missing."""
     from regen.config import resolve_path
-    from regen.serve.gguf_weights import prepare_gguf
-    from regen.serve.prepare_model import MODELS, locate_gguf
+    from regen.target.gguf_weights import prepare_gguf
+    from regen.target.prepare_model import MODELS, locate_gguf
 
     model_dir = resolve_path(serve.model_dir)
     spec = MODELS[model_dir.name]
@@ -105,7 +105,7 @@ def greedy_check(target, model, renderer, prompts: list[dict], tokens: int) -> d
 def main(argv: list[str] | None = None) -> int:
     from regen.config import load_profile, resolve_path
     from regen.render.hf_template import HFTemplateRenderer
-    from regen.serve.server import EmbeddedTarget
+    from regen.target.server import EmbeddedTarget
     bench_prompts, cpu_line = sibling("serve_target").bench_prompts, sibling("serve_target").cpu_line
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

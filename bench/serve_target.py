@@ -4,9 +4,9 @@ server's CPU seconds per 1K output tokens, its RSS, the answers' stop/length mix
     .venv/bin/python -P bench/serve_target.py [--engines llama.cpp,transformers] [--levels 1,8,16,32]
         [--seconds 60] [--hog N] [--set serve.threads=1 ...] [--no-agreement] [--quick]
 
-Each engine is started as `regen run` starts it (regen.serve.server.EmbeddedTarget with the `local` profile's
+Each engine is started as `regen run` starts it (regen.target.server.EmbeddedTarget with the `local` profile's
 serve settings, `serve.engine` set per arm) and sent the `local` profile's requests: its sampling (temperature
-0.7, top-p 0.9, its `max_tokens`; the engine's own extra samplers off, regen.serve.llama_cpp), first turns of
+0.7, top-p 0.9, its `max_tokens`; the engine's own extra samplers off, regen.target.llama_cpp), first turns of
 prompts selected from the bundled pool by the profile's select stage, streamed. Per level, C workers each keep one
 request in flight for `--seconds`; then the requests still running are closed. Tokens are counted where they were
 streamed: an answer's `usage.completion_tokens` spread over its content chunks, by chunk arrival time (an answer
@@ -157,7 +157,7 @@ def start_hogs(n: int) -> list[subprocess.Popen]:
 
 
 def run_engine(engine: str, serve, prompts, levels, seconds, params, log_dir: Path) -> dict:
-    from regen.serve.server import EmbeddedTarget, engine_identity
+    from regen.target.server import EmbeddedTarget, engine_identity
 
     cfg = serve.model_copy(update={"engine": engine})
     ident = engine_identity(cfg)

@@ -109,14 +109,14 @@ def engine_figures(step: Path, model_dir: Path, prompts, new_tokens: int, repeat
 
     from regen.serve.engines import export_draft
     from regen.serve.engines.endpoint_eval import group_figures, run_group
-    from regen.serve.llama_cpp import served_template
-    from regen.serve.server import free_port
+    from regen.target.llama_cpp import served_template
+    from regen.target.server import free_port
 
     rec = export_draft(step, "llama.cpp", root / "export", target_gguf=model_dir / "engine-f32.gguf",
                        target_path=str(model_dir))
     (root / "t.jinja").write_text(served_template(model_dir))
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "regen.serve.llama_cpp", "--gguf", str(model_dir / "engine-f32.gguf"),
+    proc = subprocess.Popen([sys.executable, "-m", "regen.target.llama_cpp", "--gguf", str(model_dir / "engine-f32.gguf"),
                              "--alias", "smollm2-135m", "--template", str(root / "t.jinja"), "--port", str(port),
                              "--parallel", "1", "--ctx-per-slot", "1024", "--threads", "2",
                              "--draft", str(root / "export" / "draft-dspark.gguf"),

@@ -4,7 +4,7 @@ untrained draft of the same config, at one request and several in flight, in one
     .venv/bin/python -P bench/spec_decode.py --run runs/local [--profile local] [--draft STEP_DIR]
         [--prompts 16] [--max-new-tokens 64] [--in-flight 1,4] [--gguf-type q8_0] [--quick]
 
-Every arm serves the local profile's target (regen.serve.server.EmbeddedTarget, `serve.parallel` = the level) and
+Every arm serves the local profile's target (regen.target.server.EmbeddedTarget, `serve.parallel` = the level) and
 sends the run's held-out prompts as token ids (`/completion`, greedy, `--max-new-tokens` each); C workers keep C
 requests in flight until every prompt is answered. Figures per (arm, level): decode tokens/s over the wall time of
 the level (the sum of generated tokens / seconds from the first request to the last answer), acc_len from the
@@ -60,7 +60,7 @@ def untrained_export(profile, step: Path, out: Path) -> Path:
 
 def measure(serve_cfg, prompts, max_new: int, level: int, gguf, block_size: int, log_path: Path) -> dict:
     from regen.serve.engines.llama_client import complete, spec_counters
-    from regen.serve.server import EmbeddedTarget
+    from regen.target.server import EmbeddedTarget
 
     cfg = serve_cfg.model_copy(update={"parallel": level})
     with EmbeddedTarget(cfg, log_path=log_path, draft=gguf, draft_n_max=block_size, log=lambda *_: None) as t:

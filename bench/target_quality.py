@@ -132,7 +132,7 @@ def cmd_gsm8k(args) -> dict:
     import psutil
 
     from regen.config.serve import ServeConfig
-    from regen.serve.server import EmbeddedTarget
+    from regen.target.server import EmbeddedTarget
 
     problems = gsm8k_problems(args.n)
     cfg = ServeConfig(model_dir=args.model_dir, cb_num_blocks=args.cb_num_blocks, cb_max_batch_tokens=512)

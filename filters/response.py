@@ -230,8 +230,9 @@ class Language(Filter):
     """An answer confidently in another language than the prompt's `language` (score = that probability).
 
     The expected language is the record's `language` or else the detected language of the last user message.
-    Code is stripped first and at most `language_max_chars` characters are classified; prompts that ask for a translation and skipped categories are not scored; texts
-    shorter than `language_min_chars` after stripping are not scored."""
+    Code is stripped first and at most `language_max_chars` characters are classified; prompts that ask for a
+    translation and skipped categories are not scored; texts shorter than `language_min_chars` after stripping are not
+    scored."""
 
     name = "language"
 

@@ -83,7 +83,7 @@ def generate_task(generate: GenerateConfig, serve: ServeConfig, run_dir: str, re
     if repair or retry_classes is not None or recheck:  # the stage's own recheck / repair / retry, then generate
         cfg = generate
         if serve.enabled:  # the identity is checked with the served model id and engine, as the generate step will
-            from regen.serve.server import served_generate
+            from regen.target.server import served_generate
 
             cfg = served_generate(generate, serve)
         if recheck and any(run.generations.glob("ledger-*.jsonl")):  # rows to judge

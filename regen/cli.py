@@ -14,7 +14,7 @@ from regen.errors import exit_code
 # command -> (module, one-line help). A literal registry, in pipeline order.
 COMMANDS: dict[str, tuple[str, str]] = {
     "select": ("regen.select.stage", "select a deduplicated, filtered prompt mix into runs/<name>/prompts/"),
-    "serve-target": ("regen.serve.server", "serve the embedded target model on loopback (OpenAI-compatible)"),
+    "serve-target": ("regen.target.server", "serve the embedded target model on loopback (OpenAI-compatible)"),
     "generate": ("regen.generate.stage", "regenerate every prompt with the target into generations/"),
     "render": ("regen.render.stage", "render generations into assistant-masked token shards"),
     "show-render": ("regen.render.show", "render one conversation from stdin and print text, ids, loss mask"),
@@ -29,7 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
                     "target and read its acceptance from the engine's counters (the round trip)"),
     "rehearse": ("regen.report.rehearse", "one training step of a profile at its real size on fake tensors: memory "
                  "per rank against the plan, host syncs, collectives, device placement"),
-    "plan": ("regen.plan", "a dry run: requests, tokens, server-hours, shard bytes, GPU memory of a profile"),
+    "plan": ("regen.report.plan", "a dry run: requests, tokens, server-hours, shard bytes, GPU memory of a profile"),
     "run": ("regen.pipeline", "the main job: every stage of a profile in order, resumable"),
     "query": ("regen.report.query", "run DuckDB SQL over the run's views (prompts, rejected, generations, ...)"),
     "report": ("regen.report.html", "write an HTML report with plots for a run"),

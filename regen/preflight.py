@@ -7,7 +7,7 @@ Each stage owns its check, beside its entry; this module only says which of them
 what order (CHECKS), and adds the run directory's own:
 
   select    `regen.select.preflight.check`: sources and contamination files exist
-  serve     (`serve.enabled`) `regen.serve.server.check`: the embedded target's model directory loads; the
+  serve     (`serve.enabled`) `regen.target.server.check`: the embedded target's model directory loads; the
             pipeline starts the target, and asks its `/models` once it is up (`regen.pipeline.step_generate`)
   generate  (not `serve.enabled`) `regen.generate.preflight.check`: endpoints, API key, `GET /models` (with
             `network`); a generation already complete on this run directory needs no endpoint
@@ -34,7 +34,7 @@ from regen.render import preflight as render_check
 from regen.rundir import RunDir
 from regen.select import preflight as select_check
 from regen.serve import engines
-from regen.serve import server
+from regen.target import server
 from regen.train import preflight as train_check
 
 

@@ -189,9 +189,9 @@ def check_exclusive_create(directory: Path) -> None:
 
 
 class Lease:
-    """The lease of `stage` on `directory` (file `.lease-<name or stage>.json`, module docstring); a context manager. `acquire` raises LeaseHeld
-    naming the holder (or the holder of a live lease matching the glob `exclude` in the same directory), or
-    LeaseError for a filesystem without exclusive creation. `took_over`: the stale record
+    """The lease of `stage` on `directory` (file `.lease-<name or stage>.json`, module docstring); a context manager.
+    `acquire` raises LeaseHeld naming the holder (or the holder of a live lease matching the glob `exclude` in the same
+    directory), or LeaseError for a filesystem without exclusive creation. `took_over`: the stale record
     replaced, if any. `lost`: True once a renewal found another holder's token (the lease was taken over)."""
 
     def __init__(self, directory: str | Path, stage: str, *, name: str | None = None, ttl_s: float = DEFAULT_TTL_S,

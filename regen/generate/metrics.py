@@ -90,7 +90,8 @@ class Metrics:
             "failure_examples": dict(self.failure_examples), "flags": dict(self.flags),
             "output_tokens": self.output_tokens, "prompt_tokens": self.prompt_tokens,
             "req_per_s": round(self.attempts / dt, 3), "output_tok_per_s": round(self.output_tokens / dt, 1),
-            "peak_in_flight": self.peak_in_flight, "latency_s": {"p50": pct(self.latencies, 0.5), "p90": pct(self.latencies, 0.9), "p99": pct(self.latencies, 0.99)},
+            "peak_in_flight": self.peak_in_flight,
+            "latency_s": {q: pct(self.latencies, f) for q, f in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))},
             "ttft_s": {"p50": pct(self.ttfts, 0.5), "p90": pct(self.ttfts, 0.9)},
             **({"in_flight_limits": {ep: {"final": h[-1][1], "changes": len(h) - 1, "history": h}
                                      for ep, h in self.limit_history.items()}} if self.limit_history else {}),

@@ -2,8 +2,9 @@
 
 Actor i of n takes the prompts with `regen.generate.runner.in_shard(prompt_id, (i, n))` (a hash of the id), runs
 its own `regen.generate.runner.Runner` (one async client per actor, on its own node with SPREAD scheduling) and
-writes its own parts and journal as writer `r<i>` under the exactly-once rules of `regen.generate.ledger`. The generations directory must be on storage
-every node sees (a shared filesystem). The driver merges the actors' metrics and writes the manifest.
+writes its own parts and journal as writer `r<i>` under the exactly-once rules of `regen.generate.ledger`. The
+generations directory must be on storage every node sees (a shared filesystem). The driver merges the actors' metrics
+and writes the manifest.
 
 Addresses: `auto` connects to the running cluster (RAY_ADDRESS or a local head), starting a loopback-only
 local one when there is none; `local` always starts one; anything else is a cluster address. A Ray started

@@ -186,7 +186,8 @@ class Runner:
         self.done_units += len(rows)
 
     # -- one unit, with retries and policies
-    async def generate_turn(self, p: dict, turn: int, messages: list[dict], tools: list[dict] | None) -> tuple[dict, Completion | None]:
+    async def generate_turn(self, p: dict, turn: int, messages: list[dict],
+                            tools: list[dict] | None) -> tuple[dict, Completion | None]:
         cfg = self.mode_config(p.get("mode"))[0]
         key = request_key(p["prompt_id"], turn, cfg, messages, tools)
         body = request_body(cfg, messages, tools)

@@ -4,11 +4,11 @@ tokens the target generated.
 Loaded offline from a local directory with `tokenizer.json`/`tokenizer_config.json` (and optionally
 `chat_template.jinja`) through `transformers.AutoTokenizer`.
 
-Turn by turn, so the prompt ids are the ones the target read. For each assistant message at index k, `pre` = `messages[:k]` rendered with
-`add_generation_prompt=True` (the prompt the target read) and `messages[:k+1]` without it must each be a prefix of
-the next and of the whole conversation; the answer is the text from `len(pre)` to its end. A template that rewrites
-history (e.g. drops earlier reasoning) is not prefix-stable: `TemplateNotPrefixStable` names the message and the
-first differing character. Where the answer ends (two ways):
+Turn by turn, so the prompt ids are the ones the target read. For each assistant message at index k, `pre` =
+`messages[:k]` rendered with `add_generation_prompt=True` (the prompt the target read) and `messages[:k+1]` without it
+must each be a prefix of the next and of the whole conversation; the answer is the text from `len(pre)` to its end. A
+template that rewrites history (e.g. drops earlier reasoning) is not prefix-stable: `TemplateNotPrefixStable` names the
+message and the first differing character. Where the answer ends (two ways):
 
 - `prefix` (every prefix-stable template): up to and including the answer's last special token (the end-of-turn
   marker the model emits, e.g. `<end_of_turn>`, `<|im_end|>`); trailing decoration after it (a newline) is not

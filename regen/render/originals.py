@@ -6,8 +6,8 @@ inside their `messages` are turned into generation rows (GENERATION_SCHEMA), one
 the original conversation before position k, its `content` / `reasoning_content` / `tool_calls` the original
 answer at position k. They are written to `originals/part-*.parquet` + `originals/manifest.json`
 (`write_original_generations`), and the render stage then runs unchanged on `run.with_responses("original")`
-(`regen render --responses original`, or `run_render(cfg, run.with_responses("original"))`): the same response filters, row checks,
-template, assistant-only mask and limits, into `shards-original/` (its own manifest, `filters.json`,
+(`regen render --responses original`, or `run_render(cfg, run.with_responses("original"))`): the same response filters,
+row checks, template, assistant-only mask and limits, into `shards-original/` (its own manifest, `filters.json`,
 `responses.parquet`) with rejects in `rejected/render-original/`.
 
 Only prompts with an original for every turn position are written (`original_answers` not null); the others

@@ -3,7 +3,8 @@
 Per row: rebuild the conversation (`messages` + the generated assistant message), check it (roles in order,
 tool results matched to calls, arguments that are JSON objects, known content parts, reasoning present when
 required), render it with the target's renderer as the sample of its last turn (`render(..., last_only=True)`:
-the generation prompt of `messages[:-1]` tokenized alone, then the generated answer tokenized alone), take that span (loss on the generated turn only), then:
+the generation prompt of `messages[:-1]` tokenized alone, then the generated answer tokenized alone), take that span
+(loss on the generated turn only), then:
 
 - server ids win (they are what the target emitted): with `completion_token_ids`, the span's tokens are replaced by them
   verbatim, minus a trailing end token the mask does not supervise (e.g. `<|end_of_msg|>`, EOS), plus the

@@ -75,11 +75,11 @@ def make_renderer(cfg: RenderConfig):
 
 
 def prompt_control_tokens(cfg: RenderConfig) -> tuple[str, ...]:
-    """The strings the select stage rejects in prompt text for this render config (so no request is sent for such a prompt): the ones the
-    renderer's tokenizer would parse as control tokens wherever they stand (`Renderer.text_control_tokens`: an hf
-    tokenizer's special tokens, e.g. `<|im_end|>`), under `render.control_tokens: reject`. () for `keep` and for
-    kimi-k3 (it encodes message text as text; nothing is loaded then). Raises InputError when the hf tokenizer
-    does not load (`make_renderer`)."""
+    """The strings the select stage rejects in prompt text for this render config (so no request is sent for such a
+    prompt): the ones the renderer's tokenizer would parse as control tokens wherever they stand
+    (`Renderer.text_control_tokens`: an hf tokenizer's special tokens, e.g. `<|im_end|>`), under `render.control_tokens:
+    reject`. () for `keep` and for kimi-k3 (it encodes message text as text; nothing is loaded then). Raises InputError
+    when the hf tokenizer does not load (`make_renderer`)."""
     if cfg.control_tokens == "keep" or cfg.renderer == "kimi-k3":
         return ()
     return tuple(make_renderer(cfg).text_control_tokens)

@@ -33,7 +33,8 @@ from schemas.io import read_json
 CSS = """body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1100px;color:#222}
 h1{font-size:1.6em}h2{font-size:1.2em;margin-top:2em;border-bottom:1px solid #ddd}
 table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ccc;padding:2px 8px;font-size:.9em;text-align:left}
-.plots{display:flex;flex-wrap:wrap;gap:12px}figure.plot{margin:0;width:520px}.plot img{width:520px;height:auto;border:1px solid #eee}
+.plots{display:flex;flex-wrap:wrap;gap:12px}figure.plot{margin:0;width:520px}
+.plot img{width:520px;height:auto;border:1px solid #eee}
 .missing{color:#999;font-style:italic}code{background:#f4f4f4;padding:1px 3px}"""
 
 SCRIPT = """window.addEventListener('load',function(){var n=0;document.querySelectorAll('img.plot-img').forEach(

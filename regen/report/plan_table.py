@@ -1,5 +1,5 @@
 """`regen plan`'s figures for a terminal: one two-column table (figure, value) that fits the terminal's width, and
-each figure's formula below it on request (`--formulas`). The figures and formulas are `regen.plan.build_plan`'s
+each figure's formula below it on request (`--formulas`). The figures and formulas are `regen.report.plan.build_plan`'s
 plan dict (also written to `<run>/plan.json`)."""
 from __future__ import annotations
 

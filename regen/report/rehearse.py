@@ -5,7 +5,7 @@ beside `regen plan`'s memory per GPU.
 
 The passes are `regen.train.rehearse` (what runs, on which tensors, what it cannot see); the watching is
 `regen.train.rehearse_modes`. This module sizes the step from the profile (as `regen plan` does), compares the
-rehearsed peak of rank 0 with the plan's terms (`regen.plan.draft_plan` -> `regen.train.memory`) and prints the
+rehearsed peak of rank 0 with the plan's terms (`regen.report.plan.draft_plan` -> `regen.train.memory`) and prints the
 report in 80 columns, or `--json`. Exit status 1 (RehearsalError) when a host tensor met a device one.
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ class RehearsalError(RuntimeError):
 
 def shapes(profile, world_size: int | None = None) -> dict:
     """The step the rehearsal runs: tokens, grad_accum, world size, attention, compute dtype (see module doc)."""
-    from regen.plan import assumptions
+    from regen.report.plan import assumptions
 
     t = profile.train
     a = assumptions(profile, {"world_size": world_size})
@@ -44,7 +44,7 @@ def shapes(profile, world_size: int | None = None) -> dict:
 
 def _draft_config(profile):
     from regen.errors import InputError
-    from regen.plan import target_config
+    from regen.report.plan import target_config
     from regen.train.draft_config import build_draft_config
 
     tc, source = target_config(profile)
@@ -55,8 +55,8 @@ def _draft_config(profile):
 
 
 def plan_memory(profile, world_size: int) -> dict:
-    """`regen plan`'s memory per GPU for this profile, bytes by term (`regen.plan.draft_plan`)."""
-    from regen.plan import assumptions, draft_plan
+    """`regen plan`'s memory per GPU for this profile, bytes by term (`regen.report.plan.draft_plan`)."""
+    from regen.report.plan import assumptions, draft_plan
 
     d = draft_plan(profile, assumptions(profile, {"world_size": world_size}), 0.0)
     return {k: int(round(v * GiB)) for k, v in d["memory_per_gpu_gib"].items()}

@@ -10,8 +10,9 @@ Out: `prompts/part-loop-NN.parquet` (PROMPT_SCHEMA v3, listed in `prompts/manife
      prompts' units (its ledger keeps every recorded one); `regen train --init-from` continues from the last draft.
 
 The pool is the selection stage's own (`regen.select.stage.eligible_pool`: `run_select` with every eligible row
-taken, the same sources, filters, dedup and control tokens, under `loop/pool/`); "not yet used" = not in any part of `prompts/`. Held-out prompt ids
-(`train.heldout_fraction`) are never added: they would change the prompts every evaluation measures.
+taken, the same sources, filters, dedup and control tokens, under `loop/pool/`); "not yet used" = not in any part of
+`prompts/`. Held-out prompt ids (`train.heldout_fraction`) are never added: they would change the prompts every
+evaluation measures.
 
 Policy `weakest` (where to spend): every cell the pool can supply gets an acc_len: the evaluation's per-round
 figure of that cell, shrunk toward its category's figure by `prior_requests` pseudo-requests

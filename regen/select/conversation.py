@@ -1,7 +1,8 @@
 """One conversation of a prompt pool row being built: call ids unique within it, every tool result linked to its call.
 
 Used by `regen.select.shapes` for every conversation shape (ShareGPT, OpenAI messages, BFCL, Kimi markers).
-Tool results link to calls by the result's own id, else by its own function name, else in order (two results in the other order than their calls, named, answered the wrong calls before).
+Tool results link to calls by the result's own id, else by its own function name, else in order (two results in the
+other order than their calls, named, answered the wrong calls before).
 """
 from __future__ import annotations
 

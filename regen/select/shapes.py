@@ -19,9 +19,10 @@ Recognized shapes (detected from a file's first row, or forced by `SourceConfig.
 
 Conversation contract (what the generate stage receives): `messages` never ends with an assistant
 message: trailing assistant turns are the answers to regenerate and are dropped from `messages` (kept as the
-prompt's `original_answers`, `regen.select.originals`); earlier assistant turns are kept as context. The generate stage writes one assistant turn after every user or tool message that
-is not followed by an assistant message, in order, each from the history so far (so an MT-Bench record of
-two user messages and no assistant message means "answer the first, then the second").
+prompt's `original_answers`, `regen.select.originals`); earlier assistant turns are kept as context. The generate stage
+writes one assistant turn after every user or tool message that is not followed by an assistant message, in order, each
+from the history so far (so an MT-Bench record of two user messages and no assistant message means "answer the first,
+then the second").
 
 A malformed row in a known shape raises `RowError(field, reason)`; the caller turns it into a reject with
 filter `parse`. Tool schemas follow the OpenAI chat-completions `tools` format

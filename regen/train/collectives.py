@@ -8,8 +8,9 @@ Two planes (torchtitan's `cpu:gloo,cuda:nccl`, TorchSpec's separate gloo group):
 * **control**: a gloo group with its own timeout, for host-side agreement: the step's loss weights, flags,
   counts, the any-rank-failed agreement (`raise_if_any_rank_failed`), object broadcasts, barriers around
   checkpoints, and the coordination of the sharded checkpoint (`control_dcp_save`, `control_dcp_load`: torch's
-  distributed checkpoint exchanges plans and metadata there; the tensors go to files). Its tensors are CPU tensors, which NCCL cannot carry at all (`RuntimeError: No backend type
-  associated with device type cpu`, the crash of the first GPU run, shared/docs/gpu-readiness.md finding 1).
+  distributed checkpoint exchanges plans and metadata there; the tensors go to files). Its tensors are CPU tensors,
+  which NCCL cannot carry at all (`RuntimeError: No backend type associated with device type cpu`, the crash of the
+  first GPU run, shared/docs/gpu-readiness.md finding 1).
 
 The check: every collective states its plane; each tensor's device is checked against the backend that serves
 that plane on a real run (`nccl` -> cuda, gloo control -> cpu). `declare_backend("nccl")` (or the environment

@@ -256,7 +256,7 @@ def dspark_loss(draft, batch: dict, features, anchors=None, keep=None, *, genera
     taps, last_hidden = features
     ids, lm = batch["input_ids"], batch["loss_mask"]
     cfg = draft.config
-    K, (B, S) = cfg.block_size, ids.shape
+    K, S = cfg.block_size, ids.shape[1]
     if anchors is None:
         anchors, keep = sample_anchors(lm, cfg.num_anchors, generator)
     hidden = draft(taps, ids, anchors, keep, batch.get("position_ids"), batch.get("attention_mask"))  # [B,N,K,H]

@@ -46,7 +46,8 @@ def activation_bytes(cfg, S: int, *, c: int = 2, attention: str = "efficient") -
     K, N, H, L_layers = cfg.block_size, cfg.num_anchors, cfg.hidden_size, cfg.num_hidden_layers
     Q = N * K
     L = S + Q
-    T, Ht, nh, I = len(cfg.target_layer_ids), cfg.target_hidden_size, cfg.num_attention_heads, cfg.intermediate_size
+    T, Ht, nh = len(cfg.target_layer_ids), cfg.target_hidden_size, cfg.num_attention_heads
+    I = cfg.intermediate_size  # noqa: E741 - I: the MLP width, as in the formulas above
     if cfg.attention_type == "mla":
         d_qk, d_v, d_r = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.qk_rope_head_dim
         kv_in = L * H * c + L * cfg.kv_lora_rank * (4 + 2 * c) + 4 * L  # kv_a input, kv_a_layernorm

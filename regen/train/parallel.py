@@ -3,8 +3,9 @@
 Process group from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); without
 it, a world of one in this process (an in-memory store), so one process takes the same code path as many.
 Backend: NCCL on CUDA, gloo on CPU, plus a gloo control group for host-side agreement
-(`regen.train.collectives`, through which every collective goes). Sharding follows torchtitan `models/llama3/parallelize.py`: `fully_shard`
-on each block of `model.layers`, then on the root; the training loop has no `if distributed` branches.
+(`regen.train.collectives`, through which every collective goes). Sharding follows torchtitan
+`models/llama3/parallelize.py`: `fully_shard` on each block of `model.layers`, then on the root; the training loop has
+no `if distributed` branches.
 
 The servable weights of a checkpoint gather to rank 0 on CPU (`gathered_model_state`); the resumable state is
 sharded (`regen.train.sharded_state`). Full state dicts (`full_model_state`, `full_optim_state`, and their loads

@@ -6,12 +6,12 @@ The trainer's own code runs (`regen.train.build.build_draft`, `step.share_frozen
 and `features.staging.Staging` (the CUDA seam stood in for), `step.train_step` (loss, clip, AdamW step) and the
 checkpoint's `parallel.gathered_model_state`), on tensors that hold no memory, in two passes:
 
-1. **memory** (two optimizer steps: the second is the steady state, AdamW's moments held; `FakeTensorMode`, a fake process group of W ranks: `FakeStore`, backend "fake", a cpu mesh made
-   before fake mode): `FSDPMemTracker` gives rank 0's peak by kind (sharded/unsharded parameters, gradients,
-   activations, temporaries, all-gather/reduce-scatter buffers, optimizer state), set beside `regen plan`'s terms
-   (`regen.plan.draft_plan` -> `regen.train.memory`) with the ratio. Every collective is listed with its
-   tensors' devices and group. The frozen embed/lm_head sit outside FSDP (replicated), so the tracker does not see
-   them: they are added from their tensors' sizes.
+1. **memory** (two optimizer steps: the second is the steady state, AdamW's moments held; `FakeTensorMode`, a fake
+   process group of W ranks: `FakeStore`, backend "fake", a cpu mesh made before fake mode): `FSDPMemTracker` gives
+   rank 0's peak by kind (sharded/unsharded parameters, gradients, activations, temporaries, all-gather/reduce-scatter
+   buffers, optimizer state), set beside `regen plan`'s terms (`regen.report.plan.draft_plan` -> `regen.train.memory`)
+   with the ratio. Every collective is listed with its tensors' devices and group. The frozen embed/lm_head sit outside
+   FSDP (replicated), so the tracker does not see them: they are added from their tensors' sizes.
 2. **placement and syncs** (the `meta` device stands in for the GPU; the same step without FSDP): a host tensor
    meeting a device one fails the rehearsal, naming the op and the line; every host sync (`.item()`, a copy to
    the host, `nonzero`, boolean masks, `unique`) is listed per micro-batch with its line

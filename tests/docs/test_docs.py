@@ -106,7 +106,7 @@ def _train_parser():
 
 
 def _prepare_model_parser():
-    from regen.serve.prepare_model import build_parser
+    from regen.target.prepare_model import build_parser
 
     return build_parser()
 
@@ -118,7 +118,7 @@ def _no_arguments(prog: str):
 # `python -m MODULE` entries the docs may name -> their own parser (regen.cli's subcommands are resolved below)
 MODULE_PARSERS = {
     "regen.train": _train_parser,
-    "regen.serve.prepare_model": _prepare_model_parser,
+    "regen.target.prepare_model": _prepare_model_parser,
     "regen.train.model": _no_arguments("python -m regen.train.model"),
 }
 

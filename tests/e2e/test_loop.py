@@ -87,8 +87,8 @@ def test_bench_loop_runs_both_arms_from_the_same_draft(small_run, tmp_path, caps
     profile, run, srv = small_run
     sets = [x for k, v in overrides(srv.base_url).items() for x in ("--set", f"{k}={json.dumps(v)}")]
     assert bench_loop.main(["--run", str(run.root), *sets, "--budget-units", "4"]) == 2  # rounds already: refused
-    rc = bench_loop.main(["--run", str(run.root.with_name("main-job")), *sets, "--budget-units", "4", "--seeds", "0", "--train-steps", "1",
-                          "--out", str(tmp_path / "bench")])
+    rc = bench_loop.main(["--run", str(run.root.with_name("main-job")), *sets, "--budget-units", "4", "--seeds", "0",
+                          "--train-steps", "1", "--out", str(tmp_path / "bench")])
     out = capsys.readouterr().out
     assert rc == 0 and "weakest / mix, mean over 1 seed(s):" in out
     assert "cells measured" in out and "| cell | held-out requests | before | weakest after | mix after |" in out

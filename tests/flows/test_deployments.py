@@ -85,7 +85,7 @@ def test_kimi_k3_deployment_against_a_test_server(prefect_stack, fake_openai, tm
 
 def _server_posts(server_log: Path) -> int:
     """Chat requests the embedded target logged: transformers serve's access lines, or llama.cpp's one
-    `launch_slot_` line per request (regen.serve.server.EmbeddedTarget.request_count)."""
+    `launch_slot_` line per request (regen.target.server.EmbeddedTarget.request_count)."""
     if not server_log.exists():
         return 0
     return sum('"POST /v1/chat/completions' in line or "launch_slot_" in line

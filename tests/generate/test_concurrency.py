@@ -65,7 +65,7 @@ def test_slow_start_windows_last_one_turnover_then_min_window_s_applies():
     feed(ctl, 0.0, 0.6, 8, tokens=10)  # the first window: no latency known yet, enough samples decide
     changed_at = ctl.history[-1][0]
     assert ctl.limit == 8 and ctl._settle_until == pytest.approx(changed_at + 0.5)  # one p50 latency, not 5 s
-    t = feed(ctl, ctl._settle_until, 0.6, 16, tokens=20)  # a 0.6 s window (> p50 0.5 s) decides in slow start
+    feed(ctl, ctl._settle_until, 0.6, 16, tokens=20)  # a 0.6 s window (> p50 0.5 s) decides in slow start
     assert ctl.limit == 16
     feed(ctl, ctl._settle_until, 0.6, 16, tokens=20)  # 16 in flight gave nothing over 8: undo, slow start over
     assert ctl.limit == 8 and not ctl.slow_start

@@ -279,7 +279,8 @@ def test_a_storm_of_429s_cools_down_instead_of_hammering(server, run_dir):
     write_prompts(run_dir, [([{"role": "user", "content": f"storm {i}"}], None) for i in range(64)])
     cfg = fast_config(max_in_flight=32, retry={"max_attempts": 20, "max_retry_after_s": 1.0})
     m = run_generate(cfg, run_dir, endpoints=[server.base_url], progress=False)
-    assert m["accounting"]["generated"] == 64, [(r["error_class"], r["error_detail"], r["attempts"]) for r in rows_of(run_dir) if r["status"] != "ok"]
+    failed = [(r["error_class"], r["error_detail"], r["attempts"]) for r in rows_of(run_dir) if r["status"] != "ok"]
+    assert m["accounting"]["generated"] == 64, failed
     log = server.server.log
     storm = [e for e in log if e["status"] == 429]
     assert len(storm) == 48 and m["metrics"]["endpoints"][0]["rate_limited"] == 48

@@ -97,7 +97,8 @@ def test_filled_call_ids_are_unique_within_the_conversation():
 
 def test_next_segment_rewrites_tool_ids_and_stops_on_mismatch():
     original = [{"role": "user", "content": "q"},
-                {"role": "assistant", "tool_calls": [{"id": "old", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+                {"role": "assistant", "tool_calls": [{"id": "old", "type": "function",
+                                                      "function": {"name": "f", "arguments": "{}"}}]},
                 {"role": "tool", "tool_call_id": "old", "content": "r"}, {"role": "assistant", "content": "done"}]
     pos = turn_positions(original)
     same = {"tool_calls": [{"id": "new", "type": "function", "function": {"name": "f", "arguments": "{\"x\": 1}"}}]}

@@ -13,7 +13,7 @@ from conftest import KEY, MODEL, closed_port_url
 from regen import cli
 from regen.config import load_profile
 from regen.generate.endpoints import EndpointsRefused
-from regen.plan import build_plan
+from regen.report.plan import build_plan
 from regen.preflight import PreflightError
 from regen.rundir import RunDir
 from regen.testing.openai_server import ServerThread, Settings

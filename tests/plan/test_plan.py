@@ -11,7 +11,7 @@ from conftest import MODEL
 from regen import cli
 from regen.config import load_profile
 from regen.pipeline import run_pipeline
-from regen.plan import build_plan
+from regen.report.plan import build_plan
 from regen.report.plan_table import print_plan
 from regen.rundir import RunDir
 from regen.testing.openai_server import ServerThread, Settings

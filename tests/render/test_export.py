@@ -81,7 +81,8 @@ def test_export_conversations_jsonl(rendered, tmp_path):
     tool_row = next(x for x in lines if x["prompt_id"] == "m")
     assert tool_row["messages"][1] == A0 and tool_row["tools"] == TOOLS
     last = tool_row["messages"][-1]
-    assert last["role"] == "assistant" and last["reasoning_content"] == "Calling add." and last["tool_calls"][0]["function"] == CALL["function"]
+    assert last["role"] == "assistant" and last["reasoning_content"] == "Calling add."
+    assert last["tool_calls"][0]["function"] == CALL["function"]
     import datasets
 
     ds = datasets.load_dataset("json", data_files=str(out / "data" / "*.jsonl"), split="train",

@@ -22,7 +22,7 @@ from regen.render.hf_template import HFTemplateRenderer
 from regen.render.kimi_k3.renderer import KimiK3Renderer
 from regen.render.stage import run_render
 from regen.rundir import RunDir
-from regen.serve.prepare_model import CHAT_TEMPLATE
+from regen.target.prepare_model import CHAT_TEMPLATE
 from render_fixtures import (CHATML_MARKERS_TEMPLATE, CORPUS, GEMMA_TEMPLATE, generation_row, train_tokenizer_json,
                              write_generations)
 

@@ -14,7 +14,8 @@ FRENCH = ("Les nombres premiers sont des entiers supérieurs à un dont les seul
 
 
 def rec(**kw):
-    base = {"messages": [{"role": "user", "content": "Tell me about prime numbers and why they matter, please, in a few short sentences."}],
+    question = "Tell me about prime numbers and why they matter, please, in a few short sentences."
+    base = {"messages": [{"role": "user", "content": question}],
             "content": PROSE, "reasoning_content": "The user wants primes.", "tool_calls": None,
             "finish_reason": "stop", "category": "chat", "language": "en"}
     base.update(kw)

@@ -1,4 +1,4 @@
-"""The render stage with a Hugging Face chat template: the embedded target's own template (regen.serve.prepare_model)
+"""The render stage with a Hugging Face chat template: the embedded target's own template (regen.target.prepare_model)
 on a tiny offline tokenizer, through both mask paths, with the mask property over every written row."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 
 from regen.config.render import RenderConfig
 from regen.render.hf_template import HFTemplateRenderer
-from regen.serve.prepare_model import CHAT_TEMPLATE, MODELS
+from regen.target.prepare_model import CHAT_TEMPLATE, MODELS
 from regen.render.stage import run_render
 from regen.rundir import RunDir
 from render_fixtures import generation_row, write_generations
@@ -36,7 +36,8 @@ def generated_text(row: dict, end_of_turn: str = "<end_of_turn>") -> str:
     """What the embedded template renders for the generated turn inside {% generation %} (prepare_model)."""
     text = row["content"] or ""
     for c in row["tool_calls"] or []:
-        text += '<tool_call>\n{"name": "' + c["function"]["name"] + '", "arguments": ' + c["function"]["arguments"] + "}\n</tool_call>"
+        fn = c["function"]
+        text += '<tool_call>\n{"name": "' + fn["name"] + '", "arguments": ' + fn["arguments"] + "}\n</tool_call>"
     return text + end_of_turn
 
 
@@ -113,7 +114,7 @@ def test_local_profile_renders_with_the_embedded_tokenizer(tmp_path, repo_root):
     run = RunDir.at(tmp_path)
     m = run_render(cfg, run, progress=False)
     r = HFTemplateRenderer(model_dir)
-    spec = MODELS[model_dir.name]  # the profile's embedded target (regen.serve.prepare_model)
+    spec = MODELS[model_dir.name]  # the profile's embedded target (regen.target.prepare_model)
     assert r.mask == "markers" and m["contract"]["tokenizer_name"] == spec.name
     by_key = {(x["prompt_id"], x["turn"]): x for x in rows()}
     samples = [s for e in m["shards"] for s in pq.read_table(run.shards / e["path"]).to_pylist()]
@@ -122,7 +123,8 @@ def test_local_profile_renders_with_the_embedded_tokenizer(tmp_path, repo_root):
         (span,) = s["loss_spans"]
         assert r.decode(s["input_ids"][span["start"]:span["end"]]) == generated_text(
             by_key[(s["prompt_id"], s["turn"])], spec.end_of_turn)
-        first = r.tokenizer.bos_token_id if "bos_token" in spec.chat_template else r.tokenizer.convert_tokens_to_ids("<|im_start|>")
+        tok = r.tokenizer
+        first = tok.bos_token_id if "bos_token" in spec.chat_template else tok.convert_tokens_to_ids("<|im_start|>")
         assert s["input_ids"][0] == first and s["input_ids"][span["end"] - 1] == spec.end_of_turn_id
 
 

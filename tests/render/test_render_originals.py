@@ -17,7 +17,7 @@ from regen.render.originals import original_rows, write_original_generations
 from regen.render.stage import run_render
 from regen.report.query import query
 from regen.rundir import RunDir
-from regen.serve.prepare_model import CHAT_TEMPLATE
+from regen.target.prepare_model import CHAT_TEMPLATE
 from render_fixtures import generation_row, write_generations
 from schemas.io import write_json_atomic, write_parquet_atomic
 from schemas.prompt import PROMPT_SCHEMA, PromptRecord

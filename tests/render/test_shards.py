@@ -30,7 +30,8 @@ def test_rows_to_table_is_exact():
     assert rows_to_table([]).num_rows == 0
 
 
-@pytest.mark.parametrize("max_rows,max_tokens,sizes", [(3, 10**9, [3, 3, 1]), (100, 25, [3, 3, 1]), (2, 16, [2, 2, 2, 1]), (100, 20, [2, 2, 2, 1])])
+@pytest.mark.parametrize("max_rows,max_tokens,sizes",
+                         [(3, 10**9, [3, 3, 1]), (100, 25, [3, 3, 1]), (2, 16, [2, 2, 2, 1]), (100, 20, [2, 2, 2, 1])])
 def test_shards_close_at_rows_or_tokens(tmp_path, max_rows, max_tokens, sizes):
     w = ShardWriter(tmp_path, max_rows=max_rows, max_tokens=max_tokens)
     entries = []

@@ -49,7 +49,8 @@ def test_image_only():
 
 def _tool(name="get_weather", params=None):
     return {"type": "function", "function": {"name": name, "description": "d",
-                                             "parameters": params or {"type": "object", "properties": {"city": {"type": "string"}},
+                                             "parameters": params or {"type": "object",
+                                                                       "properties": {"city": {"type": "string"}},
                                                                        "required": ["city"]}}}
 
 

@@ -34,7 +34,8 @@ CONVERSATION_CASES = [
     ({"conversations": ["hello"]}, "turn is a str"),
     ({"conversations": [{"value": "hi"}]}, "has no role field"),
     ({"conversations": [{"from": "narrator", "value": "hi"}]}, "unknown role 'narrator'"),
-    ({"conversations": [{"from": "human", "value": 42}]}, "conversations[0].value: must be a string or a list of content parts, got a number (42)"),
+    ({"conversations": [{"from": "human", "value": 42}]},
+     "conversations[0].value: must be a string or a list of content parts, got a number (42)"),
     ({"conversations": [{"from": "gpt", "value": "Hello!"}, {"from": "human", "value": "hi"}]}, "starts with 'assistant'"),
     ({"conversations": [{"from": "system", "value": "be nice"}]}, "no user message"),
     ({"conversations": [{"from": "human", "value": "hi"}, {"from": "observation", "value": "{}"}]},
@@ -66,7 +67,8 @@ TURNS_CASES = [
     ({"question_id": 1, "turns": ["fine"]}, None),
     ({"question_id": 2, "turns": "not a list"}, "must be a list of user turns"),
     ({"question_id": 3, "turns": []}, "empty list of turns"),
-    ({"question_id": 4, "turns": [{"content": 5}]}, "turns[0].content: must be a string (the user turn's text), got a number (5)"),
+    ({"question_id": 4, "turns": [{"content": 5}]},
+     "turns[0].content: must be a string (the user turn's text), got a number (5)"),
     ({"question_id": 5}, "turns: missing field"),
 ]
 PROMPT_CASES = [
@@ -78,7 +80,8 @@ PROMPT_CASES = [
 BFCL_CASES = [
     ({"id": "ok", "question": [[{"role": "user", "content": "weather in Paris?"}]],
       "function": [{"name": "w.get", "parameters": {"type": "dict", "properties": {"c": {"type": "String"}}}}]}, None),
-    ({"id": "a", "question": [{"role": "user", "content": "x"}]}, "question[0]: must be a list of messages (one BFCL turn), got an object"),
+    ({"id": "a", "question": [{"role": "user", "content": "x"}]},
+     "question[0]: must be a list of messages (one BFCL turn), got an object"),
     ({"id": "b", "question": [[{"role": "user", "content": "x"}]], "involved_classes": ["NoSuchAPI"]},
      "unknown BFCL class"),
     ({"id": "c", "question": []}, "non-empty list of turns"),

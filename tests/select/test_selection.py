@@ -73,7 +73,7 @@ def test_local_profile_deterministic_by_seed(tmp_path):
         m = run_select(profile.select, run, seed=seed, progress=False)
         ids = [r[0] for r in query(run.root, "SELECT prompt_id FROM prompts")[1]]
         runs[name] = (m, ids)
-    (ma, a), (mb, b), (mc, c) = runs["a"], runs["b"], runs["c"]
+    (ma, a), (_, b), (mc, c) = runs["a"], runs["b"], runs["c"]
     assert a == b and len(a) == profile.select.total == len(set(a))
     assert set(a) != set(c)
     assert ma["counts"]["category"] == mc["counts"]["category"]

@@ -50,7 +50,8 @@ def test_turns_bfcl_dialect_and_class_tools(repo_root):
     simple = drafts_of(repo_root / "data/prompts/bfcl_v4/BFCL_v4_simple_python.json")
     params = simple[0].tools[0]["function"]["parameters"]
     assert params["type"] == "object"
-    assert all(p.get("type") != "dict" for d in simple for t in d.tools for p in t["function"]["parameters"]["properties"].values())
+    props = [p for d in simple for t in d.tools for p in t["function"]["parameters"]["properties"].values()]
+    assert all(p.get("type") != "dict" for p in props)
     assert all("." not in t["function"]["name"] for d in simple for t in d.tools)
     multi = [d for d in drafts_of(repo_root / "data/prompts/bfcl_v4") if d.source_file.endswith("multi_turn_base.json")]
     assert multi and all(d.tools and len([m for m in d.messages if m["role"] == "user"]) >= 2 for d in multi)
@@ -80,7 +81,8 @@ def test_formats_tsv_json_wrapper_parquet_and_hub_snapshot(repo_root, tmp_path):
     (snap / ".cache" / "x.json").write_text("[]")
     pq.write_table(pa.table({"instruction": ["Sort a list in Python", "Say hi"], "input": ["[3,1]", ""],
                              "output": ["x", "y"]}), snap / "data" / "train-00000.parquet")
-    (snap / "data" / "extra.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "Hallo, wie geht es dir heute?"}]}) + "\n")
+    row = {"messages": [{"role": "user", "content": "Hallo, wie geht es dir heute?"}]}
+    (snap / "data" / "extra.jsonl").write_text(json.dumps(row) + "\n")
     files = source_files(SourceConfig(name="s", path=str(snap)))
     assert [k for _, k in files] == ["jsonl", "parquet"]
     drafts = drafts_of(snap)
@@ -111,7 +113,8 @@ def test_openai_messages_with_typed_parts():
                                           {"type": "tool_call", "value": json.dumps({"name": "w", "arguments": {"c": 1}})}]},
         {"role": "tool", "content": [{"type": "text", "value": "sunny"}]},
         {"role": "assistant", "content": [{"type": "text", "value": "It is sunny."}]}],
-        "tools": json.dumps([{"type": "function", "function": {"name": "w", "parameters": {"type": "object", "properties": {}}}}])}
+        "tools": json.dumps([{"type": "function",
+                              "function": {"name": "w", "parameters": {"type": "object", "properties": {}}}}])}
     msgs, tools, _ = normalize_row(row, "messages", {"messages": "messages"})
     assert [m["role"] for m in msgs] == ["system", "user", "assistant", "tool"]
     assert msgs[2]["reasoning_content"] == "think" and msgs[2]["tool_calls"][0]["function"]["name"] == "w"

@@ -204,7 +204,8 @@ def test_kimi_text_declarations_as_json_in_the_system_text_are_used():
 @pytest.mark.parametrize("value,reason", [
     (SB + _k2_call("functions.f:0", {}), "section is not closed"),
     (SB + SB + _k2_call("functions.f:0", {}) + SE, "do not balance: 2 section begin"),
-    (SB + "<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{}" + SE, "1 call begin(s), 1 argument begin(s), 0 call end(s)"),
+    (SB + "<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{}" + SE,
+     "1 call begin(s), 1 argument begin(s), 0 call end(s)"),
     (SB + _k2_call("functions.f", {}) + SE, "is not functions.NAME:INDEX"),
     (SB + _k2_call("functions.f:x", {}) + SE, "is not functions.NAME:INDEX"),
     (SB + "<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{oops<|tool_call_end|>" + SE, "not valid JSON"),

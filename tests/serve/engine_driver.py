@@ -292,7 +292,7 @@ SGLANG_STUBS = {"IPython", "compressed_tensors", "cuda", "einops", "flashinfer",
 
 def sglang(export: Path, target: dict) -> dict:
     sys.path.insert(0, str(ROOT / ".engines" / "sglang"))
-    import torch
+    import torch  # noqa: F401 - loaded before the engine, as the engine loads it
     import transformers  # noqa: F401
 
     stubs = _stub_missing(SGLANG_STUBS)

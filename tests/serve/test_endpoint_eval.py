@@ -131,8 +131,8 @@ def two_servers(tmp_path_factory, model_dir):
     from test_engine_contracts import local_draft
 
     from regen.serve.engines import export_draft
-    from regen.serve.llama_cpp import served_template, version
-    from regen.serve.server import free_port
+    from regen.target.llama_cpp import served_template, version
+    from regen.target.server import free_port
 
     if version() is None:
         pytest.skip("xllamacpp is not installed (scripts/setup.sh)")
@@ -146,7 +146,7 @@ def two_servers(tmp_path_factory, model_dir):
     K = rec["widths"]["block_size"]
     for draft in (root / "export" / "draft-dspark.gguf", None):
         port = free_port()
-        cmd = [sys.executable, "-m", "regen.serve.llama_cpp", "--gguf", str(model_dir / "engine-q8_0.gguf"),
+        cmd = [sys.executable, "-m", "regen.target.llama_cpp", "--gguf", str(model_dir / "engine-q8_0.gguf"),
                "--alias", "smollm2-135m", "--template", str(template), "--port", str(port), "--parallel", "2",
                "--ctx-per-slot", "1024", "--threads", "1"]
         if draft:

@@ -14,7 +14,7 @@ from regen.serve.engines import export_draft
 from regen.serve.engines import llama_cpp as gg
 from regen.serve.engines.draft import EngineRefused
 from regen.serve.engines.spec_eval import lossless, replay_engine_rounds
-from regen.serve.llama_cpp import version as xllamacpp_version
+from regen.target.llama_cpp import version as xllamacpp_version
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,7 @@ from regen.serve.engines import export_draft, llama_cpp as gguf_export  # noqa: 
 from regen.serve.engines.draft import load_draft_checkpoint  # noqa: E402
 from regen.serve.engines.spec_eval import (ensure_engine_gguf, lossless, regen_side, serve_and_measure,  # noqa: E402
                                            summarize_engine)
-from regen.serve.llama_cpp import version as xllamacpp_version  # noqa: E402
+from regen.target.llama_cpp import version as xllamacpp_version  # noqa: E402
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(xllamacpp_version() is None, reason="xllamacpp is not installed (scripts/setup.sh)")]

@@ -114,11 +114,11 @@ def test_foreign_and_cut_objects_are_refused():
 def test_non_finite_feature_values_are_a_contract_breach(tensor, value, row, pos):
     blob, _, ids, mask, taps, last = _object()
     header = read_header(blob)
-    t, l = decode(blob, header)
-    check_values(header, t, l, epoch=1, index=4)  # finite: passes
-    (t if tensor == "taps" else l)[row, pos, 2] = value
+    t, last = decode(blob, header)
+    check_values(header, t, last, epoch=1, index=4)  # finite: passes
+    (t if tensor == "taps" else last)[row, pos, 2] = value
     with pytest.raises(FeatureContractError) as e:
-        check_values(header, t, l, epoch=1, index=4)
+        check_values(header, t, last, epoch=1, index=4)
     msg = str(e.value)
     assert f"{tensor} holds 1 non-finite values, the first at row {row} ({'ab'[row]}), position {pos}" in msg
     assert "micro-batch 1:4" in msg and PRODUCER["id"] in msg
@@ -293,7 +293,8 @@ def test_remote_features_zero_a_failed_micro_batch_and_refuse_non_finite_values_
     into registered host slots (`get_into`: none): a micro-batch failed on every attempt is a failure of `fetch`
     (known before the step) and is handed over as zeros of its shapes, counted resident like any object; an object
     holding a NaN is recorded with the contract error when it is handed over (its values are checked on the
-    device; `train_step` makes the step non-finite on every rank with it); an object of another micro-batch is refused in `fetch` and its slot is free again."""
+    device; `train_step` makes the step non-finite on every rank with it); an object of another micro-batch is refused
+    in `fetch` and its slot is free again."""
     from types import SimpleNamespace
 
     from regen.train.features import client as client_mod

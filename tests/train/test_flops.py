@@ -179,7 +179,7 @@ def test_the_kimi_k3_row_is_counted_on_the_meta_device(tokens, monkeypatch):
     CPU's math attention. 229 TFLOP at 32K (the static review's estimate: about 226; 6·P·D says 470) and 378 at
     64K (6·P·D: 939)."""
     from regen.config import load_profile
-    from regen.plan import target_config
+    from regen.report.plan import target_config
     from regen.train import attention as attention_mod
     from regen.train.draft_config import build_draft_config
     from regen.train.model import build_meta
@@ -187,7 +187,7 @@ def test_the_kimi_k3_row_is_counted_on_the_meta_device(tokens, monkeypatch):
     profile = load_profile("kimi-k3")
     cfg = build_draft_config(profile.train, target_config(profile)[0])
     objective = make_objective(build_meta(cfg))
-    N, K = cfg.num_anchors, cfg.block_size
+    N = cfg.num_anchors
     anchors = (torch.arange(N) * (tokens // N))[None]
     batch, feats, anchors, keep = _row(cfg, tokens, 0, device="meta", anchors=anchors)
     results = {}

@@ -551,7 +551,7 @@ def test_the_activation_formula_equals_what_autograd_saves(S, N, layers):
 
 def test_the_kimi_k3_plan_counts_every_term():
     from regen.config import load_profile
-    from regen.plan import assumptions, draft_plan
+    from regen.report.plan import assumptions, draft_plan
 
     profile = load_profile("kimi-k3")
     d = draft_plan(profile, assumptions(profile, {}) | {"world_size": 8}, 1e9)

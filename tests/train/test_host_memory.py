@@ -178,7 +178,7 @@ def test_the_kimi_k3_plan_states_its_host_memory_and_the_gb200_tray():
     (256 GiB / 8 + one object) and the transfer buffer (2 objects); 4 ranks of a GB200 tray take 250 GB (read-ahead)
     or 566 GB (serial) of its 960 GB (NVIDIA: up to 480 GB LPDDR5X per Grace, 2 per tray): both hold."""
     from regen.config import load_profile
-    from regen.plan import assumptions, draft_plan
+    from regen.report.plan import assumptions, draft_plan
 
     obj = 16 + 4096 + 256 + 65536 * 6 * 7168 * 2
     rest = 256 * 2**30 // 8 + obj + 2 * obj

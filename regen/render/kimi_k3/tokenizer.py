@@ -8,9 +8,10 @@ Source: `shared/docs/kimi-k3-format.md` §3 (segment encoding, 400,000-char chun
 - `tokenizer_config.json`: `added_tokens_decoder` {"<id>": {"content": "<|open|>", ...}} naming control ids.
 
 The control block is 256 ids starting at len(ranks) (TOK; 163584 for the real file), or at the lowest id in
-`added_tokens_decoder` when the named ids lie elsewhere (the test vocabulary); unnamed ids are `<|reserved_token_<id>|>` as in the checkpoint's `tokenization_kimi.py`. The test
-vocabulary (`data/tokenizers/kimi-k3-test/`, built by `build_test_vocab` in `regen/render/kimi_k3/test_vocab.py`) has few BPE
-ranks but the REAL control ids, so control ids in tests are the ones the target uses.
+`added_tokens_decoder` when the named ids lie elsewhere (the test vocabulary); unnamed ids are `<|reserved_token_<id>|>`
+as in the checkpoint's `tokenization_kimi.py`. The test vocabulary (`data/tokenizers/kimi-k3-test/`, built by
+`build_test_vocab` in `regen/render/kimi_k3/test_vocab.py`) has few BPE ranks but the REAL control ids, so control ids
+in tests are the ones the target uses.
 """
 from __future__ import annotations
 

@@ -39,7 +39,7 @@ def default_target_gguf(profile):
     """The embedded target's engine GGUF (`serve.model_dir/engine-<gguf_type>.gguf`), or None when the profile
     serves no embedded target."""
     from regen.config import resolve_path
-    from regen.serve.gguf_weights import gguf_name
+    from regen.target.gguf_weights import gguf_name
 
     serve = profile.serve
     if not serve.enabled or not serve.model_dir:

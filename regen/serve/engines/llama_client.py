@@ -5,7 +5,7 @@
 
 The prompt goes in as token ids (llama.cpp's native `/completion` takes an array of ids), so the engine reads
 exactly the ids `regen eval` reads: no template, no tokenizer between them. At temperature 0 llama.cpp's sampler
-takes the argmax (the server runs `temperature;top_p`, regen.serve.llama_cpp). `n_probs` > 0 asks for the top
+takes the argmax (the server runs `temperature;top_p`, regen.target.llama_cpp). `n_probs` > 0 asks for the top
 `n_probs` log-probabilities of the raw logits at every generated position (`post_sampling_probs: false`).
 
 Counters (llama.cpp server, shared/docs/serving-engines.md §6.6): `spec_decode_num_drafts_total` (verification

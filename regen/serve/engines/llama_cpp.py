@@ -196,7 +196,7 @@ def write_gguf(ckpt: DraftCheckpoint, path: Path, target_gguf: Path, target_lm_h
 
 
 def launch(cfg, draft_file: str = GGUF_NAME, target_gguf: str = "TARGET.gguf") -> dict:
-    """llama-server's command line for this draft (and regen's own server: `python -m regen.serve.llama_cpp`)."""
+    """llama-server's command line for this draft (and regen's own server: `python -m regen.target.llama_cpp`)."""
     n = cfg.block_size
     return {
         "engine": ENGINE, "engine_version": f"{PACKAGE}=={PINNED_VERSION} (llama.cpp b11549)",
@@ -219,7 +219,7 @@ def launch(cfg, draft_file: str = GGUF_NAME, target_gguf: str = "TARGET.gguf") -
                   "trained, a longer one is capped by dflash.block_size",
                   "--spec-draft-p-min 0 proposes the full block, as regen eval does; a positive value cuts the block "
                   "at the first slot whose confidence is below it",
-                  "regen's embedded server: python -m regen.serve.llama_cpp ... --draft draft-dspark.gguf "
+                  "regen's embedded server: python -m regen.target.llama_cpp ... --draft draft-dspark.gguf "
                   "(regen engine-eval starts it)"],
     }
 

@@ -70,7 +70,7 @@ def serve_and_measure(serve_cfg, prompts: list[dict], max_new_tokens: int, *, dr
     """Serve the embedded target (with `draft_gguf` when given), one greedy request per prompt in turn; each
     result: {prompt_id, tokens, stop_type, drafts, accepted, draft_tokens, per_pos, predicted_n, predicted_ms, top}."""
     from regen.serve.engines.llama_client import complete, spec_counters
-    from regen.serve.server import EmbeddedTarget
+    from regen.target.server import EmbeddedTarget
 
     cfg = serve_cfg.model_copy(update={"parallel": 1, "warmup": True})
     out = []
@@ -250,7 +250,7 @@ def regen_side(train_cfg, prompts: list[dict], ddir: Path, max_new_tokens: int, 
 def ensure_engine_gguf(serve_cfg, gguf_type: str, log=print) -> None:
     """The embedded target's `engine-<gguf_type>.gguf`, written from the same source GGUF when missing."""
     from regen.config import resolve_path
-    from regen.serve.prepare_model import MODELS, prepare_model
+    from regen.target.prepare_model import MODELS, prepare_model
 
     name = resolve_path(serve_cfg.model_dir).name
     if name in MODELS:
@@ -285,7 +285,7 @@ def run_engine_eval(profile, run, *, draft_dir=None, num_prompts: int | None = N
     held-out prompt, or the draft does not fit llama.cpp (EngineRefused, with every reason)."""
     from regen.errors import InputError
     from regen.train.checkpoint import find_draft
-    from regen.serve.server import resolve_engine
+    from regen.target.server import resolve_engine
     from regen.train.draft_config import DSparkConfig
     from regen.train.eval import heldout_prompts
     from schemas.io import write_json_atomic
@@ -394,7 +394,7 @@ def main(args) -> int:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     from regen.config import load_profile_from_args
     from regen.errors import InputError
-    from regen.serve.gguf_weights import GGUF_TYPES
+    from regen.target.gguf_weights import GGUF_TYPES
 
     profile, run = load_profile_from_args(args)
     if args.endpoint:

@@ -111,8 +111,8 @@ class Dispatcher:
         self.t_last_alive = self.t_start
         self.ever_registered = False
         self.stats = {"planned": 0, "leased": 0, "completed": 0, "stale_completions": 0, "failures": 0,
-                      "lease_expiries": 0, "items_failed": 0, "rows_completed": 0, "consumed": 0, "dropped": 0, "bytes_consumed": 0,
-                      "max_accounted_bytes": 0, "producer_busy_s": 0.0, "wait_s": 0.0}
+                      "lease_expiries": 0, "items_failed": 0, "rows_completed": 0, "consumed": 0, "dropped": 0,
+                      "bytes_consumed": 0, "max_accounted_bytes": 0, "producer_busy_s": 0.0, "wait_s": 0.0}
         self._server = _Server((host, port), _handler(self))
         self._server.daemon_threads = True
         self.host, self.port = self._server.server_address[:2]

@@ -13,7 +13,7 @@ The path of one object (`regen.train.features.client.RemoteFeatures` drives it):
    object) and the store's object can be removed right after. With `train.producers.read_ahead` D > 0 the client's
    reader thread stages at most D objects ahead of the micro-batch computing, so the host holds D + 1 slots (the
    one computing, on CPU, or whose device copy may still run, on CUDA); with D = 0 a step's objects are all staged
-   before its first forward: grad_accum slots. Host memory, counted apart from the GPU's (`regen.plan`).
+   before its first forward: grad_accum slots. Host memory, counted apart from the GPU's (`regen.report.plan`).
    The slots' state changes under a lock (the reader thread stages while the training thread issues, releases).
 2. `issue(staged)` (when the previous micro-batch is handed to compute, or when the reader staged the next one
    after that): CUDA: the side stream waits until the
@@ -208,7 +208,6 @@ class Staging:
     def locate(self, staged: Staged, header: dict) -> Staged:
         """Point `staged` (from `stage_into`) at its tensors by the checked `header`: the span from taps to the end
         of last_hidden is what goes to the device. Raises FeatureContractError (an extent outside the object)."""
-        h = self.host[staged.slot]
         staged.dtype = getattr(torch, header["dtype"])
         extents = tensor_extents(header, staged.nbytes)  # staged.nbytes: the whole object's, until here
         staged.base = min(s for s, _, _ in extents)

@@ -1,4 +1,4 @@
-"""The project's chat templates for the embedded targets (regen.serve.prepare_model.MODELS): prefix-stable,
+"""The project's chat templates for the embedded targets (regen.target.prepare_model.MODELS): prefix-stable,
 generation markers around exactly the generated text, roles, tools; for each preparable model."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 
 from regen.config import resolve_path
-from regen.serve.prepare_model import DEFAULT_MODEL, GEMMA, MARKER, MODELS, SMOLLM2, SMOLLM2_DEFAULT_SYSTEM
+from regen.target.prepare_model import DEFAULT_MODEL, GEMMA, MARKER, MODELS, SMOLLM2, SMOLLM2_DEFAULT_SYSTEM
 
 CONV = [
     {"role": "system", "content": "Be brief."},
@@ -40,7 +40,7 @@ def prepared(request):
     spec = MODELS[request.param]
     path = resolve_path(f"data/models/{spec.name}")
     if not (path / "model.safetensors").exists():
-        pytest.fail(f"{path} is missing: run `bash scripts/setup.sh` (python -m regen.serve.prepare_model --model all)")
+        pytest.fail(f"{path} is missing: run `bash scripts/setup.sh` (python -m regen.target.prepare_model --model all)")
     return spec, AutoTokenizer.from_pretrained(path), path
 
 

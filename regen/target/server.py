@@ -6,7 +6,7 @@ model, sends one warm-up request, and on exit stops the process group (SIGTERM, 
 leaves no server behind. The model id is the model directory's name (`smollm2-135m`). Engines:
 
 - `llama.cpp` (the `local` profile): llama.cpp's C++ server from the prebuilt wheel `xllamacpp`
-  (regen.serve.llama_cpp: template, parser and sampler settings) on `<model_dir>/engine-<serve.gguf_type>.gguf`,
+  (regen.target.llama_cpp: template, parser and sampler settings) on `<model_dir>/engine-<serve.gguf_type>.gguf`,
   `serve.parallel` slots of `serve.ctx_per_slot` KV tokens, `serve.threads` threads. Sampling is per request.
   When `xllamacpp` is not installed, `resolve_engine` falls back to `transformers` and says so.
 - `transformers`: `transformers serve <model> --device cpu --continuous-batching --host 127.0.0.1`
@@ -24,7 +24,7 @@ What `transformers serve` does with a request (transformers 5.24, measured; docs
   (`transformers.cli.serving.utils.CBGenerateManager`); later requests' values are ignored. So the warm-up request
   carries the run's sampling (`EmbeddedTarget(cfg, sampling=...)`; `regen run` passes `generate.temperature` and
   `generate.top_p`), and every request of the run carries the same. The prepared model's generation config has
-  `do_sample: true` (regen.serve.prepare_model.SAMPLING_DEFAULTS): temperature > 0 samples, 0 is greedy
+  `do_sample: true` (regen.target.prepare_model.SAMPLING_DEFAULTS): temperature > 0 samples, 0 is greedy
   (deterministic). `frequency_penalty` (repetition penalty) is dropped under continuous batching.
 - returns no `reasoning_content` (neither embedded model produces it) and no token ids; unknown body fields (e.g.
   `return_token_ids`, `thinking`) are rejected with 422.
@@ -97,7 +97,7 @@ def check_transformers_serve(version: str) -> None:
 def resolve_engine(cfg: ServeConfig, log=None) -> str:
     """The engine that will serve: `cfg.engine`, or `transformers` when `llama.cpp` is asked for and its package
     (`xllamacpp`) is not installed; the fallback is said once per process on stderr (or through `log`)."""
-    from regen.serve import llama_cpp
+    from regen.target import llama_cpp
 
     if cfg.engine == "llama.cpp" and llama_cpp.version() is None:
         msg = ("embedded target: serve.engine llama.cpp needs the package xllamacpp (scripts/setup.sh installs it: "
@@ -111,9 +111,9 @@ def resolve_engine(cfg: ServeConfig, log=None) -> str:
 
 
 def engine_gguf(cfg: ServeConfig) -> Path:
-    """The llama.cpp engine's weights: `<model_dir>/engine-<gguf_type>.gguf` (regen.serve.gguf_weights)."""
+    """The llama.cpp engine's weights: `<model_dir>/engine-<gguf_type>.gguf` (regen.target.gguf_weights)."""
     from regen.config import resolve_path
-    from regen.serve.gguf_weights import gguf_name
+    from regen.target.gguf_weights import gguf_name
 
     return resolve_path(cfg.model_dir) / gguf_name(cfg.gguf_type)
 
@@ -125,7 +125,7 @@ def engine_identity(cfg: ServeConfig, log=None) -> dict:
 
     engine = resolve_engine(cfg, log)
     if engine == "llama.cpp":
-        from regen.serve import llama_cpp
+        from regen.target import llama_cpp
 
         return {"engine": "llama.cpp", "version": f"xllamacpp {llama_cpp.version()}", "weights": engine_gguf(cfg).name}
     return {"engine": "transformers serve", "version": f"transformers {metadata.version('transformers')}",
@@ -140,10 +140,10 @@ def threads(cfg: ServeConfig) -> int:
 def server_command(cfg: ServeConfig, model_name: str, port: int, engine: str | None = None,
                    template: Path | None = None, draft: Path | None = None, draft_n_max: int = 7) -> list[str]:
     """The server argv for `cfg` and `engine` (default `cfg.engine`). `transformers serve` runs with cwd = the
-    model directory's parent; llama.cpp (regen.serve.llama_cpp.command) reads `template`, a chat template file,
+    model directory's parent; llama.cpp (regen.target.llama_cpp.command) reads `template`, a chat template file,
     and serves with speculative decoding when given a DSpark `draft` GGUF (`draft_n_max` tokens a round)."""
     if (engine or cfg.engine) == "llama.cpp":
-        from regen.serve import llama_cpp
+        from regen.target import llama_cpp
 
         return llama_cpp.command(engine_gguf(cfg), model_name, template or Path("chat_template.jinja"), cfg.host,
                                  port, threads=threads(cfg), parallel=cfg.parallel, ctx_per_slot=cfg.ctx_per_slot,
@@ -234,7 +234,7 @@ class EmbeddedTarget:
         if not (self.model_dir / "config.json").exists():
             raise InputError(
                 f"embedded target model {self.model_dir} not found (serve.model_dir): run `bash scripts/setup.sh` "
-                "or `.venv/bin/python -m regen.serve.prepare_model`"
+                "or `.venv/bin/python -m regen.target.prepare_model`"
             )
         self.engine = resolve_engine(self.cfg, self._log)
         if self.engine == "transformers":
@@ -247,7 +247,7 @@ class EmbeddedTarget:
         if self.engine == "llama.cpp" and not engine_gguf(self.cfg).exists():
             raise InputError(
                 f"embedded target: {engine_gguf(self.cfg)} not found (serve.gguf_type {self.cfg.gguf_type}): run "
-                f"`bash scripts/setup.sh` or `.venv/bin/python -m regen.serve.prepare_model --gguf-types "
+                f"`bash scripts/setup.sh` or `.venv/bin/python -m regen.target.prepare_model --gguf-types "
                 f"{self.cfg.gguf_type}`")
         t0 = time.monotonic()
         for attempt in range(2):
@@ -268,7 +268,8 @@ class EmbeddedTarget:
     def _spawn(self) -> None:
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1",
                    DO_NOT_TRACK="1", PYTHONUNBUFFERED="1")
-        if self.engine == "llama.cpp":  # OpenMP threads sleep at barriers instead of spinning (docs/benchmarks.md: beside other work)
+        # OpenMP threads sleep at barriers instead of spinning (docs/benchmarks.md: beside other work)
+        if self.engine == "llama.cpp":
             env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
@@ -283,7 +284,7 @@ class EmbeddedTarget:
     def _command(self) -> list[str]:
         template = None
         if self.engine == "llama.cpp":  # the renderer's template, generation markers removed (llama_cpp module doc)
-            from regen.serve.llama_cpp import served_template
+            from regen.target.llama_cpp import served_template
 
             template = self.log_path.parent / "llama_cpp_chat_template.jinja"
             template.write_text(served_template(self.model_dir), encoding="utf-8")

@@ -1,4 +1,4 @@
-"""`python -m regen.serve.prepare_model`: the model choice, and clear errors for a missing package or a bad file."""
+"""`python -m regen.target.prepare_model`: the model choice, and clear errors for a missing package or a bad file."""
 from __future__ import annotations
 
 import dataclasses
@@ -6,7 +6,7 @@ import hashlib
 
 import pytest
 
-from regen.serve import prepare_model as pm
+from regen.target import prepare_model as pm
 
 
 def test_unknown_model_names_the_choices(tmp_path):

