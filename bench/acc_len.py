@@ -20,11 +20,10 @@ import sys
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/: _preamble (a test imports by path)
 import _preamble  # noqa: E402, F401 - bench/ off sys.path, the repository root first, HF offline
 
-from pathlib import Path
-
 import argparse
 import json
 import time
+from pathlib import Path
 
 
 def train_once(cfg, run, out: Path) -> dict:
@@ -39,8 +38,8 @@ def train_once(cfg, run, out: Path) -> dict:
 def main(argv=None) -> int:
     from regen.config import load_profile
     from regen.errors import InputError
-    from regen.train.eval import run_eval
     from regen.rundir import RunDir
+    from regen.train.eval import run_eval
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--run", required=True, help="a run directory with shards (the main job's, e.g. runs/local)")

@@ -32,12 +32,10 @@ import sys
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/: _preamble (a test imports by path)
 import _preamble  # noqa: E402, F401 - bench/ off sys.path, the repository root first, HF offline
 
-from pathlib import Path
-
 import argparse
 import contextlib
 import dataclasses
-
+from pathlib import Path
 
 VARIANTS = ("draft", "backbone", "markov", "no_context")
 NEAR = 8  # distances 1…NEAR reported one by one, the rest summed
@@ -51,9 +49,8 @@ def probe_rows(run, cfg, split: str, limit: int) -> list[dict]:
     otherwise; at most `limit`.
     Raises InputError for a missing manifest, a changed shard, or `--split heldout` with nothing held out."""
     from regen.errors import InputError
-    from regen.train.feed import ShardFeed
+    from regen.train.feed import FeedConfig, ShardFeed
     from regen.train.heldout import heldout_split
-    from regen.train.feed import FeedConfig
 
     frac = cfg.heldout_fraction
     if split == "heldout" and not frac > 0:

@@ -44,8 +44,6 @@ import sys
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/: _preamble (a test imports by path)
 from _preamble import ROOT, sibling  # noqa: E402 - bench/ off sys.path, the repository root first, HF offline
 
-from pathlib import Path
-
 import argparse
 import json
 import resource
@@ -54,6 +52,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 GiB = 1024 ** 3
 SECTIONS = ("transport", "k3_stream", "overlap", "value_check", "end_to_end")

@@ -43,8 +43,6 @@ import sys
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/: _preamble (a test imports by path)
 from _preamble import ROOT  # noqa: E402 - bench/ off sys.path, the repository root first, HF offline
 
-from pathlib import Path
-
 import argparse
 import collections
 import json
@@ -53,6 +51,7 @@ import subprocess
 import time
 import traceback
 import warnings
+from pathlib import Path
 
 GiB = 1024 ** 3
 SECTIONS = ("k3_step", "store_step", "h2d", "train", "attention")  # flex compiles last
@@ -136,9 +135,9 @@ class K3Bench:
     def __init__(self, args, device, info):
         import torch
 
-        from regen.train.step import make_objective
         from regen.train.model import DSparkDraft
         from regen.train.parallel import shard_model
+        from regen.train.step import make_objective
 
         self.torch, self.device, self.cpu = torch, device, device.type != "cuda"
         self.cfg = cfg = k3_config(args, self.cpu)
@@ -315,7 +314,6 @@ class DictStore:
 def section_store_step(args, device, info) -> dict:
     """One step of grad_accum micro-batches through `RemoteFeatures` against the same rows resident on the device."""
     from types import SimpleNamespace
-
 
     from regen.train.features import client as client_mod
     from regen.train.features.client import RemoteFeatures

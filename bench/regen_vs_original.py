@@ -35,13 +35,11 @@ import sys
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/: _preamble (a test imports by path)
 import _preamble  # noqa: E402, F401 - bench/ off sys.path, the repository root first, HF offline
 
-from pathlib import Path
-
 import argparse
 import json
 import shutil
 import time
-
+from pathlib import Path
 
 ARMS = ("regenerated", "original")
 QUICK = {"steps": 4, "num_prompts": 2, "max_new_tokens": 8}

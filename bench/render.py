@@ -98,12 +98,13 @@ def cpu() -> float:
 
 
 def bench(args) -> dict:
-    from regen.config.render import RenderConfig
-    from regen.render.stage import make_renderer, run_render
-    from regen.render.rows import RowRenderer, conversation_of
-    from regen.rundir import RunDir
-    from regen.render.shards import ShardWriter
     from render_fixtures import write_generations
+
+    from regen.config.render import RenderConfig
+    from regen.render.rows import RowRenderer, conversation_of
+    from regen.render.shards import ShardWriter
+    from regen.render.stage import make_renderer, run_render
+    from regen.rundir import RunDir
 
     kwargs = {"thinking": True, "thinking_effort": "max"} if args.renderer == "kimi-k3" else {}
     cfg = RenderConfig(renderer=args.renderer, tokenizer=args.tokenizer, template_kwargs=kwargs, max_tokens=10**9,

@@ -27,8 +27,6 @@ import sys
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/: _preamble (a test imports by path)
 from _preamble import sibling  # noqa: E402 - bench/ off sys.path, the repository root first, HF offline
 
-
-
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import json  # noqa: E402

@@ -92,8 +92,8 @@ def main() -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from regen.config import load_profile
     from regen.rundir import RunDir
-    from regen.train.checkpoint import find_draft
     from regen.serve.engines.spec_eval import ensure_engine_gguf, export_for_llama_cpp
+    from regen.train.checkpoint import find_draft
     from regen.train.draft_config import DSparkConfig
     from regen.train.eval import heldout_prompts
 

@@ -18,14 +18,13 @@ import sys
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/: _preamble (a test imports by path)
 import _preamble  # noqa: E402, F401 - bench/ off sys.path, the repository root first, HF offline
 
-from pathlib import Path
-
 import argparse
 import json
 import random
 import shutil
 import tempfile
 import time
+from pathlib import Path
 
 
 def synthetic_shards(run_root: Path, *, num_rows: int, length: int, vocab: int, seed: int = 0,
@@ -62,15 +61,14 @@ def tiny_target(path: Path) -> Path:
 def target_forward_baseline(cfg, run, steps: int) -> float:
     """Tokens/s of the target's forward pass alone over the feed's first `steps` steps (same batches)."""
     import torch
+    from transformers import AutoConfig
 
     from regen.config import resolve_path
-    from regen.train.feed import ShardFeed
+    from regen.train.draft_config import build_draft_config
+    from regen.train.feed import FeedConfig, ShardFeed
     from regen.train.parallel import resolve_device
     from regen.train.target import TargetContract, TargetFeatures
-    from regen.train.draft_config import build_draft_config
-    from regen.train.feed import FeedConfig
     from regen.train.trainer import resolve_dtype
-    from transformers import AutoConfig
 
     device = resolve_device(cfg.device)
     path = resolve_path(cfg.target)

@@ -29,7 +29,6 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
 from regen import pipeline
-from regen.report import summary
 from regen.config import load_profile, resolve_path
 from regen.config.generate import GenerateConfig
 from regen.config.render import RenderConfig, effective_render_config
@@ -37,6 +36,7 @@ from regen.config.select import SelectConfig
 from regen.config.serve import ServeConfig
 from regen.config.train import TrainConfig
 from regen.generate import stage
+from regen.report import summary
 from regen.rundir import RunDir
 
 TASK_OPTIONS = dict(cache_policy=NO_CACHE, persist_result=False, retries=0)

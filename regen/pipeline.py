@@ -72,10 +72,9 @@ def step_generate(generate: GenerateConfig, serve: ServeConfig, run: RunDir, *, 
 
     if not serve.enabled:
         return run_generate(generate, run, progress=progress)
-    from regen.target.server import EmbeddedTarget, sampling, served_generate
-
     from regen.generate.preflight import check_started
     from regen.generate.stage import check_identity, complete
+    from regen.target.server import EmbeddedTarget, sampling, served_generate
 
     served = served_generate(generate, serve, log)  # the served id and the engine, part of the request config
     if complete(served, run):  # nothing left to ask: no server start (a rerun of a finished run)
@@ -151,8 +150,8 @@ def step_engine_eval(profile: Profile, run: RunDir, *, log=print) -> dict:
     """The round trip (`regen.serve.engines.spec_eval.run_engine_eval`): the run's latest draft served by llama.cpp
     beside the embedded target. A rerun whose engine-eval.json measured the same weights with the same settings
     returns it without serving again."""
-    from regen.train.checkpoint import find_draft
     from regen.serve.engines.spec_eval import headline, run_engine_eval
+    from regen.train.checkpoint import find_draft
 
     draft = find_draft(run.train)
     types = tuple(profile.serve.engine_eval_gguf_types)

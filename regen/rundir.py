@@ -46,7 +46,6 @@ from pathlib import Path
 from regen.errors import InputError
 from schemas.io import read_json, write_json_atomic
 
-
 RESPONSES = ("regenerated", "original")
 
 

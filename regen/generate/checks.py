@@ -38,7 +38,8 @@ import json
 import re
 from dataclasses import dataclass
 
-from filters.control_tokens import strip_echoed_end as strip_echo, text_after_end as marker_after_end
+from filters.control_tokens import strip_echoed_end as strip_echo
+from filters.control_tokens import text_after_end as marker_after_end
 
 TRANSIENT = ("rate_limited", "server_error", "timeout", "connection", "malformed")
 PERMANENT = ("bad_request", "context_overflow")

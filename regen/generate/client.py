@@ -30,8 +30,8 @@ import time
 
 import aiohttp
 
-from regen.generate.checks import Completion, RequestFailure, classify_status
 from regen.config.generate import ConcurrencyConfig, HealthConfig, RetryConfig, TimeoutConfig
+from regen.generate.checks import Completion, RequestFailure, classify_status
 from regen.generate.concurrency import ConcurrencyController, parse_gauges
 from regen.generate.wire import dumps, http_failure, normalize, parse_body, parse_retry_after, read_stream  # noqa: F401
 

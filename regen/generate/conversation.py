@@ -27,8 +27,8 @@ from __future__ import annotations
 import hashlib
 import json
 
-from regen.generate.checks import tool_names
 from regen.config.generate import GenerateConfig
+from regen.generate.checks import tool_names
 from schemas.prompt import canonical_json, turn_positions  # noqa: F401 (turn_positions: re-exported)
 
 # `stop_reason` of a row: why its conversation stopped before its last turn (the later turns are `skipped` rows

@@ -36,12 +36,11 @@ import asyncio
 import os
 import re
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-
-from dataclasses import dataclass
 
 from regen.errors import InputError
 from schemas.generation import GENERATION_SCHEMA

@@ -16,15 +16,32 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from regen.generate import ledger as ledger_mod
-from regen.generate.checks import (END_MARKER_STRIPPED, NO_PARTIAL, QUALITY_KIND, Completion, RequestFailure, judge,
-                                   strip_echoed_end)
-from regen.generate.client import ChatClient, backoff_delay
 from regen.config.generate import GenerateConfig
-from regen.generate.conversation import (PREVIOUS_TURN_ERROR, TOOL_RESULT_MISMATCH, fill_missing_call_ids,
-                                        history_message, next_segment, request_body, request_config, request_key,
-                                        skipped_key, tools_from_json, turn_positions)
 from regen.errors import InputError
+from regen.generate import ledger as ledger_mod
+from regen.generate.checks import (
+    END_MARKER_STRIPPED,
+    NO_PARTIAL,
+    QUALITY_KIND,
+    Completion,
+    RequestFailure,
+    judge,
+    strip_echoed_end,
+)
+from regen.generate.client import ChatClient, backoff_delay
+from regen.generate.conversation import (
+    PREVIOUS_TURN_ERROR,
+    TOOL_RESULT_MISMATCH,
+    fill_missing_call_ids,
+    history_message,
+    next_segment,
+    request_body,
+    request_config,
+    request_key,
+    skipped_key,
+    tools_from_json,
+    turn_positions,
+)
 from regen.generate.metrics import Metrics, ProgressLine
 from schemas.messages import message_from_arrow, message_to_arrow
 from schemas.prompt import canonical_json

@@ -38,21 +38,20 @@ import re
 import time
 from pathlib import Path
 
-
-from regen.generate import ledger as ledger_mod
-from regen.generate.client import redact_url
-from regen.generate.endpoints import require_endpoints
 from regen.config.generate import DEFAULT_POLICIES, GenerateConfig
-from regen.generate.checks import PERMANENT, QUALITY_CLASSES, RETRY_DEFAULT, TRANSIENT
-from regen.generate.conversation import (request_config, turn_positions)
 from regen.errors import InputError
+from regen.generate import ledger as ledger_mod
+from regen.generate.checks import PERMANENT, QUALITY_CLASSES, RETRY_DEFAULT, TRANSIENT
+from regen.generate.client import redact_url
+from regen.generate.conversation import request_config, turn_positions
+from regen.generate.endpoints import require_endpoints
 from regen.generate.metrics import merge_summaries, write_throughput
+from regen.generate.runner import FatalStop, iter_prompts, run_shard  # noqa: F401 (FatalStop re-exported)
 from regen.rundir import RunDir
 from schemas.generation import SCHEMA_VERSION, STATUSES
 from schemas.io import read_json, write_json_atomic
 from schemas.prompt import canonical_json
 
-from regen.generate.runner import FatalStop, iter_prompts, run_shard  # noqa: F401 (FatalStop re-exported)
 # ---------------------------------------------------------------- inputs
 
 

@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 from regen.errors import InputError
 from regen.rundir import RunDir
 from schemas.generation import GENERATION_SCHEMA
-from schemas.io import read_json, write_json_atomic, write_rows_atomic
+from schemas.io import read_json, write_rows_atomic
 from schemas.messages import message_from_arrow, message_to_arrow
 from schemas.prompt import SCHEMA_VERSION as PROMPT_SCHEMA_VERSION
 from schemas.prompt import canonical_json, inserted_positions, original_answers_of

@@ -41,9 +41,9 @@ import pyarrow.parquet as pq
 from regen.config.render import RenderConfig
 from regen.errors import InputError
 from regen.generate.ledger import check_parts  # generate's public check of its parts
-from regen.rundir import RunDir
 from regen.render.rows import Reject, RowRenderer
 from regen.render.shards import MANIFEST_SCHEMA, ShardWriter, contract_hash, manifest_totals, training_contract
+from regen.rundir import RunDir
 from schemas.io import read_json, write_json_atomic, write_rows_atomic
 from schemas.rejected import REJECTED_SCHEMA, RejectedRecord
 from schemas.shard import SCHEMA_VERSION

@@ -26,8 +26,8 @@ import io
 import time
 from pathlib import Path
 
-from regen.report import acceptance, summary
 from regen.errors import InputError
+from regen.report import acceptance, summary
 from schemas.io import read_json
 
 CSS = """body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1100px;color:#222}

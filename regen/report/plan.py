@@ -49,11 +49,11 @@ import numpy as np
 from regen.config import Profile, resolve_path
 from regen.config.render import effective_render_config
 from regen.errors import InputError
-from regen.report.cells import cell_plan, mode_factor, out_tokens, set_template_kwargs
-from regen.train.features.plan import feature_plan, host_plan
 from regen.preflight import PreflightError, check_profile
+from regen.report.cells import cell_plan, mode_factor, out_tokens, set_template_kwargs
 from regen.rundir import RunDir
 from regen.serve.engines import support_report
+from regen.train.features.plan import feature_plan, host_plan
 from schemas.io import write_json_atomic
 
 GiB = 1024 ** 3

@@ -30,7 +30,6 @@ weight. The total never passes the budget. New prompts get the cell's mode.
 from __future__ import annotations
 
 import hashlib
-import json
 from collections import defaultdict
 from pathlib import Path
 

@@ -36,8 +36,8 @@ from pathlib import Path
 from regen.select import strict_json
 from regen.select.conversation import Conversation as _Conversation
 from regen.select.errors import RowError, type_found, wrong_type
-from regen.select.originals import original_answers, source_answer
 from regen.select.kimi_text import declared_tools, inferred_tools, kimi_calls, kimi_returns, split_think
+from regen.select.originals import original_answers, source_answer
 from regen.select.tool_schemas import bfcl_class_tools, openai_tools
 
 PROMPT_FIELDS = ("prompt", "question", "problem", "problem_statement", "instruction", "query", "text", "input",

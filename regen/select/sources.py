@@ -38,12 +38,18 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from regen.select.classify import apply_language_policy, heuristic_category, identify_language, label_category, normalize_language
+from filters.text import message_text
 from regen.config.select import SelectConfig, SourceConfig
 from regen.errors import InputError
 from regen.select import strict_json
+from regen.select.classify import (
+    apply_language_policy,
+    heuristic_category,
+    identify_language,
+    label_category,
+    normalize_language,
+)
 from regen.select.shapes import RowError, detect_shape, mistyped_shape, normalize_row
-from filters.text import message_text
 from schemas.prompt import prompt_id_of
 
 DATA_SUFFIXES = (".parquet", ".jsonl", ".json", ".tsv", ".csv", ".ndjson")

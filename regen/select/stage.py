@@ -19,25 +19,23 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import shutil
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from filters.dedup import MinHasher, near_duplicates
+from filters.dedup import near_duplicates
 from filters.prompt import PROMPT_FILTERS, ContaminationIndex
-from regen.select.batches import BatchRunner, payload
-from regen.select.mix import (assign_modes, largest_remainder, plan_mix, seeded_keys,  # noqa: F401 (re-exported)
-                              select_rows)
 from regen.config.select import SelectConfig, SourceConfig
 from regen.errors import InputError
 from regen.rundir import Lease, RunDir
+from regen.select.batches import BatchRunner, payload
+from regen.select.mix import assign_modes, largest_remainder, plan_mix, seeded_keys, select_rows  # noqa: F401 (re-exported)
 from regen.select.sources import BadFile, benchmark_texts, iter_raw_batches, shape_of, source_files
 from regen.select.summary import first_reject, print_mix  # noqa: F401 (print_mix re-exported)
 from schemas.io import write_parquet_atomic, write_rows_atomic
@@ -557,7 +555,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args) -> int:
     from regen.config import load_profile_from_args
-
     from regen.config.render import effective_render_config
     from regen.render.stage import prompt_control_tokens  # render's public entry: what its tokenizer parses
 

@@ -32,8 +32,8 @@ def write_gguf(src: Path, dst: Path, qtype: str) -> Path:
     """Write `dst` from the GGUF `src` with every 2-D tensor stored as `qtype` (one of GGUF_TYPES), atomically.
 
     Raises ValueError for an unknown `qtype`."""
-    import numpy as np
     import gguf
+    import numpy as np
     from gguf import GGMLQuantizationType as Q
 
     if qtype not in GGUF_TYPES:

@@ -49,8 +49,7 @@ from dataclasses import asdict, dataclass, field
 from aiohttp import web
 
 from regen.testing.capacity import CapacityModel, _Capture
-from regen.testing.wire_faults import (ERROR_200, ERROR_FAULTS, FAULT_KINDS, answer_fault, stream_events,  # noqa: F401
-                                       usage)
+from regen.testing.wire_faults import ERROR_200, ERROR_FAULTS, FAULT_KINDS, answer_fault, stream_events, usage  # noqa: F401
 
 try:
     import orjson

@@ -38,8 +38,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from regen.train.model import CONFIG_NAME, FROZEN_PREFIXES, WEIGHTS_NAME
 from regen.errors import InputError
+from regen.train.model import CONFIG_NAME, FROZEN_PREFIXES, WEIGHTS_NAME
 from regen.train.parallel import full_model_state, load_full_model_state, load_full_optim_state
 from schemas.io import _fsync_dir, read_json, sha256_file, write_json_atomic  # fsync of a file or a directory
 

@@ -414,8 +414,8 @@ def run_eval(cfg, run, *, draft_dir, seed: int | None = None, num_prompts: int =
     import torch
 
     from regen.config import resolve_path
-    from regen.train.model import DSparkDraft, load_draft
     from regen.errors import InputError
+    from regen.train.model import DSparkDraft, load_draft
     from regen.train.target import TargetContract, TargetFeatures
     from schemas.io import sha256_file, write_json_atomic
 

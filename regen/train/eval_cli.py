@@ -15,9 +15,7 @@ from regen.train.eval_cells import format_cells
 
 
 def add_arguments(parser) -> None:
-    from regen.config import add_profile_arguments
-
-    from regen.config import add_responses_argument
+    from regen.config import add_profile_arguments, add_responses_argument
 
     add_profile_arguments(parser)
     add_responses_argument(parser, "the shard set whose held-out prompts are measured (-> eval.json or "

@@ -80,7 +80,6 @@ def run_train(cfg, run, *, follow: bool = False, stop_after_steps: int | None = 
     from regen.config import resolve_path
     from regen.train.guard import take_train_lease
     from regen.train.parallel import destroy_distributed, init_distributed
-
     from regen.train.trainer import Trainer
 
     # -- config ---------------------------------------------------------------------------------------------

@@ -33,10 +33,24 @@ import torch
 from torch import nn
 
 from regen.train.draft_config import (  # re-exported: part of this module's API
-    CONFIG_NAME, FROZEN_PREFIXES, WEIGHTS_NAME, DSparkConfig, kimi_k3_config, small_config_for_target)
+    CONFIG_NAME,
+    FROZEN_PREFIXES,
+    WEIGHTS_NAME,
+    DSparkConfig,
+    kimi_k3_config,
+    small_config_for_target,
+)
 from regen.train.layers import (  # re-exported: part of this module's API
-    ConfidenceHead, DecoderLayer, MarkovHead, RMSNorm, Rotary, apply_rope, rope_inv_freq, softmax_scale,
-    yarn_get_mscale)
+    ConfidenceHead,
+    DecoderLayer,
+    MarkovHead,
+    RMSNorm,
+    Rotary,
+    apply_rope,
+    rope_inv_freq,
+    softmax_scale,
+    yarn_get_mscale,
+)
 
 __all__ = ["DSparkConfig", "DSparkDraft", "kimi_k3_config", "small_config_for_target", "build_meta",
            "count_parameters", "save_draft", "load_draft", "k3_param_report", "RMSNorm", "Rotary", "apply_rope",

@@ -28,15 +28,14 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-
-
 # ---------------------------------------------------------------------------------------------- set-up
 
 
 def _microbatches(cfg, shape, seed: int = 0):
     """Feed-like micro-batches (epoch 0, index i): int64[1, S] ids < the output vocabulary, a quarter prompt."""
-    import torch
     from types import SimpleNamespace
+
+    import torch
 
     S, out = shape["tokens"], []
     g = torch.Generator().manual_seed(seed)
@@ -182,12 +181,12 @@ class _Phases:
 
 def _head(cfg, tc, device, dtype):
     """The trainer rank's target head (`TargetHead`: embeddings, final norm, LM head) on `device`, empty."""
+    import warnings
+
     import torch
     from torch import nn
 
     from regen.train.target_head import TargetHead, _HeadOnlyModel, _PlainRMSNorm
-
-    import warnings
 
     V, H = cfg.vocab_size, cfg.target_hidden_size
     emb = nn.Embedding(V, H, device="meta")
@@ -205,8 +204,9 @@ def _head(cfg, tc, device, dtype):
 def _meta_module_build():
     """`build_draft` builds its module tree on `meta`; inside fake mode that tree cannot be `to_empty`-ed (its
     tensors would be fake meta tensors), so the tree is built with fake mode off, then materialised inside it."""
-    import regen.train.model as model_mod
     from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    import regen.train.model as model_mod
 
     orig = model_mod.DSparkDraft
 
@@ -226,8 +226,8 @@ def _build(profile, cfg, tc, shape, device, *, fsdp: bool, mesh=None):
     import torch
 
     from regen.train.build import build_draft
-    from regen.train.step import make_objective, share_frozen_with_target
     from regen.train.parallel import DistInfo, shard_model
+    from regen.train.step import make_objective, share_frozen_with_target
 
     t = profile.train
     dtype = torch.float32 if shape["dtype"] == "float32" else torch.bfloat16
@@ -290,10 +290,9 @@ def memory_pass(profile, cfg, tc, shape) -> dict:
 
     from regen.train import collectives
     from regen.train.features import client
-    from regen.train.step import prepare_microbatch
     from regen.train.parallel import gathered_model_state
     from regen.train.rehearse_modes import Watch
-    from regen.train.step import train_step
+    from regen.train.step import prepare_microbatch, train_step
 
     mesh = DeviceMesh("cpu", list(range(shape["world_size"])))  # before fake mode (it reads ranks to the host)
     mbs = _microbatches(cfg, shape)
@@ -375,13 +374,11 @@ def _fetch(source, mbs):
 def placement_pass(profile, cfg, tc, shape) -> dict:
     """Pass 2 (the `meta` device for the GPU, no FSDP): placement errors and host syncs, with their lines."""
     import torch
+    import torch.nn.utils.clip_grad as clip
 
     from regen.train.features import client
-    from regen.train.step import prepare_microbatch
     from regen.train.rehearse_modes import Watch
-    from regen.train.step import train_step
-
-    import torch.nn.utils.clip_grad as clip
+    from regen.train.step import prepare_microbatch, train_step
 
     dev = torch.device("meta")
     mbs = _microbatches(cfg, shape)

@@ -97,8 +97,7 @@ def hash_own_files(path, rank: int, is_main: bool) -> dict:
 def load_sharded(path, model: nn.Module, optimizer) -> None:
     """Load `save_sharded`'s state into a sharded model and its optimizer at this world size. Collective. Raises
     RuntimeError (DCP's CheckpointException) for a missing or mismatched tensor."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions, set_model_state_dict, set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
     from regen.train.collectives import control_dcp_load
 

@@ -60,8 +60,8 @@ def prepare_microbatch(mb, seed: int, draft_cfg, device, t2d=None):
     """
     import torch
 
-    from regen.train.loss import sample_anchors, slot_layout
     from regen.train.feed import stable_hash
+    from regen.train.loss import sample_anchors, slot_layout
 
     top = int(mb.input_ids.max())
     if top >= draft_cfg.vocab_size:
@@ -126,8 +126,8 @@ def train_step(model, target, opt, microbatches, *, loss_weights=(0.1, 0.9, 1.0)
     """
     import torch
 
-    from regen.train.loss import decay_weights, evaluation_mask
     from regen.train.collectives import control_all_reduce_sum
+    from regen.train.loss import decay_weights, evaluation_mask
     from regen.train.parallel import clip_grad_norm, set_gradient_sync
 
     cfg = model.config

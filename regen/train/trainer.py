@@ -47,8 +47,14 @@ from regen.train.lookahead import StepLookahead
 from regen.train.parallel import raise_if_any_rank_failed, shard_model
 from regen.train.periodic_eval import TrainHooks
 from regen.train.resume import check_resume, resume_key
-from regen.train.step import make_objective, prepare_microbatch, reduce_metrics, share_frozen_with_target, \
-    train_step, zero_loss
+from regen.train.step import (
+    make_objective,
+    prepare_microbatch,
+    reduce_metrics,
+    share_frozen_with_target,
+    train_step,
+    zero_loss,
+)
 from regen.train.target import TargetContract, TargetFeatures, declared_contract
 
 log = logging.getLogger(__name__)

@@ -80,9 +80,8 @@ def read_init(path: str | Path) -> InitDraft:
     project does not read, or a non-finite weight."""
     from safetensors.torch import load_file
 
-    from regen.train.guard import nonfinite_tensors
-
     from regen.train.checkpoint import find_draft
+    from regen.train.guard import nonfinite_tensors
 
     folder = find_draft(path, "train.init_from")
     raw = json.loads((folder / "config.json").read_text())

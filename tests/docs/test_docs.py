@@ -436,7 +436,8 @@ def written_codes() -> dict[str, tuple[str, ...]]:
     from regen.generate.checks import END_MARKER_STRIPPED, FATAL, PERMANENT, QUALITY_CLASSES, TRANSIENT
     from regen.generate.conversation import STOP_REASONS
     from regen.render.kimi_k3.messages import RENDER_REASONS
-    from regen.render.rows import MESSAGE_CODES, REJECT_FILTERS as RENDER_FILTERS
+    from regen.render.rows import MESSAGE_CODES
+    from regen.render.rows import REJECT_FILTERS as RENDER_FILTERS
     from regen.select.batches import REJECT_FILTERS as SELECT_FILTERS
     from schemas.generation import STATUSES
 

@@ -75,13 +75,13 @@ def test_training_ran_when_the_profile_enables_it(local_run):
         ev = json.loads((run / "eval.json").read_text())
         assert ev["num_prompts"] >= 1 and ev["trained"]["acc_len"] >= 1.0 and ev["untrained"]["acc_len"] >= 1.0
         assert f"acc_len on {ev['num_prompts']} held-out prompts" in stdout
-        # the round trip closes the main job (issue 25): the draft served by llama.cpp, its acceptance and speedup
+        # the round trip closes the main job: the draft served by llama.cpp, its acceptance and speedup
         assert "== serve done" in stdout and "llama.cpp q8_0: acc_len" in stdout
         ee = json.loads((run / "engine-eval.json").read_text())
         q8 = ee["by_gguf_type"]["q8_0"]
         assert ee["num_prompts"] == ev["num_prompts"] and q8["engine"]["num_rounds"] > 0
         assert q8["speed"]["tokens_per_s_target_alone"] > 0 and q8["lossless"]["num_prompts"] == ev["num_prompts"]
-        # per category x length band x mode (issue 28): every prompt in one cell, regen's replay per cell beside
+        # per category x length band x mode: every prompt in one cell, regen's replay per cell beside
         assert sum(c["num_requests"] for c in q8["cells"]["cells"]) == ev["num_prompts"]
         assert q8["cells"]["overall"]["num_rounds"] == q8["engine"]["num_rounds"]
         assert ee["regen"]["cells"]["engine_budget_rule"]["overall"]["num_requests"] == ev["num_prompts"]
@@ -124,7 +124,7 @@ def test_report_of_the_run_in_chromium(local_run, chromium, tmp_path):
 
 
 def test_the_main_job_trains_through_feature_producers_with_one_switch(local_run):
-    """Issue 19: `--set train.features=producers` on the README's first command: the run resumes its training
+    """`--set train.features=producers` on the README's first command: the run resumes its training
     (two more steps) with SmolLM2's features from two local producer processes through a Mooncake store, the
     trainer holding only the target's embeddings, final norm and LM head."""
     from regen.config import load_profile

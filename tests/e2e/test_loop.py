@@ -1,4 +1,4 @@
-"""One round of the data loop end to end (issue 28, point 4) on the local profile's real target (SmolLM2-135M)
+"""One round of the data loop end to end on the local profile's real target (SmolLM2-135M)
 with a test server answering: the next selection aimed at the evaluation, only its units generated, training
 continued from the evaluated draft, the new draft measured on the same held-out prompts; an interrupted round
 resumes where it stopped."""

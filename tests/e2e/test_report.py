@@ -5,9 +5,10 @@ from __future__ import annotations
 import base64
 import re
 
+from e2e_helpers import dump_dom, make_synthetic_run, screenshot
+
 from regen import cli
 from regen.report.html import render_report, write_report
-from e2e_helpers import dump_dom, make_synthetic_run, screenshot
 
 PLOTS = ["mix", "languages", "prompt_tokens", "response_tokens", "finish_reasons", "rejects", "throughput", "drift"]
 
@@ -70,7 +71,7 @@ def test_a_run_whose_rows_were_all_rejected(tmp_path):
 
 
 def test_acceptance_plots_from_eval_and_the_training_curve(tmp_path):
-    """Issue 28: acc_len per category x band x mode (both averages, the untrained draft beside it), per-position
+    """acc_len per category x band x mode (both averages, the untrained draft beside it), per-position
     acceptance, and the held-out curve measured during training, with the best step."""
     import json
 

@@ -63,14 +63,14 @@ def test_kimi_k3_deployment_against_a_test_server(prefect_stack, fake_openai, tm
     manifest = json.loads((run_dir / "generations" / "manifest.json").read_text())
     assert manifest["accounting"]["balanced"] and len(bodies) == manifest["metrics"]["attempts"] >= 24
     modes = set()
-    for body in bodies:  # the profile's three generation modes (issue 28)
+    for body in bodies:  # the profile's three generation modes
         assert body["model"] == "moonshotai/Kimi-K3"
         modes.add((body["thinking"], body.get("thinking_effort"), body["temperature"]))
     assert modes == {(True, "max", 1.0), (True, "low", 1.0), (False, None, 0.6)}
     shards = json.loads((run_dir / "shards" / "manifest.json").read_text())
     assert sum(s["rows"] for s in shards["shards"]) > 0
 
-    # the generate stage's progress lines reach the flow run's logs (issue 28: no bar draws in a worker)
+    # the generate stage's progress lines reach the flow run's logs (no bar draws in a worker)
     logs = prefect_stack.logs_until(fr, lambda m: "generate: " in m and " units (100.0%)" in m)
     progress = [x for x in logs if "generate: " in x and " units (" in x]
     assert progress and any("100.0%" in x for x in progress), "\n".join(logs)

@@ -1,4 +1,3 @@
-import pyarrow as pa
 import pytest
 
 from regen.config import ProfileError, load_profile

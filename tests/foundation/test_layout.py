@@ -1,4 +1,4 @@
-"""The layout is the map (issue 10): stage packages, one-way imports, no cycles, modules of readable size.
+"""The layout is the map: stage packages, one-way imports, no cycles, modules of readable size.
 
 Parses every module's imports with `ast` (function-level and TYPE_CHECKING imports included), so a lazy
 import that closes a cycle fails here as surely as a top-level one.

@@ -1,4 +1,4 @@
-"""One writer per stage and run directory (issue 27, point 5): a lease naming host, process and since when."""
+"""One writer per stage and run directory: a lease naming host, process and since when."""
 from __future__ import annotations
 
 import json

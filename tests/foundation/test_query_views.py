@@ -1,5 +1,4 @@
-"""`regen query`: every view exists on every run, empty with the same columns when its files do not (issue 11
-point 14)."""
+"""`regen query`: every view exists on every run, empty with the same columns when its files do not."""
 from __future__ import annotations
 
 import pyarrow as pa

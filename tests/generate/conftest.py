@@ -1,14 +1,13 @@
 """Fixtures of the regeneration-client tests: a real fake-OpenAI server on loopback and small prompt runs."""
 from __future__ import annotations
 
-
 import pyarrow as pa
 import pytest
 
 from regen.config.generate import GenerateConfig
 from regen.rundir import RunDir
 from regen.testing.openai_server import ServerThread, Settings
-from schemas.io import write_parquet_atomic, write_json_atomic
+from schemas.io import write_json_atomic, write_parquet_atomic
 from schemas.prompt import PROMPT_SCHEMA, PromptRecord, prompt_id_of
 
 TOOLS = [{"type": "function", "function": {"name": "search", "parameters": {"type": "object", "properties": {}}}}]

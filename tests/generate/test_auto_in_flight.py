@@ -6,9 +6,8 @@ import json
 import urllib.request
 
 import pytest
-
 from conftest import conversations, fast_config, write_prompts
-from regen.config.generate import ConcurrencyConfig
+
 from regen.generate.client import ChatClient
 from regen.generate.concurrency import parse_gauges
 from regen.generate.metrics import format_stats

@@ -9,8 +9,8 @@ import time
 
 import pyarrow.parquet as pq
 import pytest
-
 from conftest import conversations, write_prompts
+
 from regen.generate import ledger
 from regen.rundir import RunDir
 from regen.testing.openai_server import ServerThread, Settings

@@ -7,13 +7,13 @@ import urllib.request
 
 import pyarrow.parquet as pq
 import pytest
-
 from conftest import TOOLS, conversations, fast_config, write_prompts
+
+from regen.config.generate import HealthConfig, TimeoutConfig
+from regen.errors import InputError
 from regen.generate import ledger
 from regen.generate.checks import PERMANENT, QUALITY_CLASSES, TRANSIENT
 from regen.generate.client import ChatClient
-from regen.config.generate import HealthConfig, TimeoutConfig
-from regen.errors import InputError
 from regen.generate.stage import run_generate
 from regen.report.query import query
 from regen.testing.openai_server import ServerThread, Settings

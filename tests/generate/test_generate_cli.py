@@ -8,8 +8,8 @@ import sys
 import urllib.request
 
 import pytest
-
 from conftest import conversations, fast_config, write_prompts
+
 from regen.errors import InputError
 from regen.generate.stage import run_generate
 

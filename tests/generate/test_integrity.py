@@ -1,4 +1,4 @@
-"""Damaged generations parts (issue 11 point 10): checksums checked when parts are read, a clear error naming the
+"""Damaged generations parts: checksums checked when parts are read, a clear error naming the
 file, and `--repair` that re-requests exactly the lost rows (and the later turns that depended on them), against
 the real test server whose request log is the witness. Plus the crash windows of a part rewrite."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ import os
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
 from conftest import conversations, fast_config, write_prompts
+
 from regen.errors import InputError
 from regen.generate import ledger
 from regen.generate.stage import accounting, prompt_files, run_generate

@@ -1,4 +1,4 @@
-"""Generation modes (issue 28, point 1): each prompt is requested with its mode's settings (temperature,
+"""Generation modes: each prompt is requested with its mode's settings (temperature,
 thinking, effort), the row records its mode and band, the DuckDB view shows them, an unknown mode stops the run
 before its first request, and a profile without modes keeps its request keys."""
 from __future__ import annotations
@@ -7,6 +7,7 @@ import json
 
 import pyarrow as pa
 import pytest
+from conftest import fast_config
 
 from regen.errors import InputError
 from regen.generate.conversation import request_key
@@ -14,8 +15,6 @@ from regen.generate.stage import run_generate
 from regen.report.query import query
 from schemas.io import write_json_atomic, write_parquet_atomic
 from schemas.prompt import PROMPT_SCHEMA, PromptRecord, prompt_id_of
-
-from conftest import fast_config
 
 MODES = {"think_max": {"extra_body": {"thinking": True, "thinking_effort": "max"}},
          "think_low": {"temperature": 0.6, "extra_body": {"thinking": True, "thinking_effort": "low"}},

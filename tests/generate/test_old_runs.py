@@ -1,4 +1,4 @@
-"""Issue 20, runs made before the fix: an old run directory resumes (a rule its stamp predates is adopted and
+"""Runs made before the fix: an old run directory resumes (a rule its stamp predates is adopted and
 recorded, not refused), and `regen generate --recheck` turns the ok rows the old checks let through into error
 rows that `--retry-errors` re-sends. The old run is made by this generator with the issue-20 checks switched off
 (what the code before the fix did), against the real test server."""
@@ -8,14 +8,14 @@ import json
 
 import pyarrow.parquet as pq
 import pytest
-
 from conftest import fast_config, write_prompts
+
+from regen.cli import main as regen_cli
+from regen.errors import InputError
 from regen.generate import ledger
 from regen.generate import runner as runner_mod
 from regen.generate.checks import judge
-from regen.cli import main as regen_cli
 from regen.generate.stage import recheck_run, run_generate
-from regen.errors import InputError
 
 pytestmark = pytest.mark.timeout(120)
 NEW_POLICIES = ("content_filter", "unfinished", "text_after_end", "over_max_tokens", "usage_inconsistent")
@@ -28,7 +28,7 @@ def rows_of(run) -> dict:
 
 
 def old_checks(monkeypatch):
-    """The checks of the code before issue 20: only "length" of finish_reason mattered (any other value, or none,
+    """The checks of the code before the row-kind checks: only "length" of finish_reason mattered (any other value, or none,
     was a finished answer), no end-of-turn markers, no usage checks."""
     import dataclasses
 
@@ -41,7 +41,7 @@ def old_checks(monkeypatch):
 
 
 def age_stamp(run) -> None:
-    """request_config.json as written before issue 20: no new policies, no end_of_turn_markers."""
+    """request_config.json as written before the row-kind checks: no new policies, no end_of_turn_markers."""
     path = run.generations / "request_config.json"
     stamp = json.loads(path.read_text())
     for k in NEW_POLICIES:

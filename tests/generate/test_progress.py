@@ -1,4 +1,4 @@
-"""Progress where nobody watches a terminal (issue 28, point 6): `regen generate` with stdout sent to a file
+"""Progress where nobody watches a terminal: `regen generate` with stdout sent to a file
 prints a progress line at a steady interval, and one at the end; on a terminal the bar draws instead."""
 from __future__ import annotations
 
@@ -8,11 +8,10 @@ import subprocess
 import sys
 
 import pytest
+from conftest import write_prompts
 
 from regen.generate.metrics import ProgressLine
 from regen.testing.openai_server import ServerThread, Settings
-
-from conftest import write_prompts
 
 SNAP = {"req_per_s": 2.0, "out_tok_per_s": 50.0, "failures": {"timeout": 1}}
 

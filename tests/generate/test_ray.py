@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pyarrow.parquet as pq
 import pytest
-
 from conftest import conversations, fast_config, write_prompts
+
 from regen.generate import ledger
 from regen.generate.stage import run_generate
 from regen.rundir import RunDir

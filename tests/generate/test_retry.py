@@ -1,18 +1,18 @@
-"""`regen generate --retry-errors` (issue 13 point 4) and the response policies in the resume identity (issue 11
-point 12), against the real test server with injected faults."""
+"""`regen generate --retry-errors` and the response policies in the resume identity,
+against the real test server with injected faults."""
 from __future__ import annotations
 
 import collections
 
 import pytest
-
 from conftest import conversations, fast_config, write_prompts
+from test_faults import control, rows_of
+
 from regen.errors import InputError
 from regen.generate import ledger
 from regen.generate.checks import TRANSIENT
 from regen.generate.stage import parse_retry_classes, run_generate
 from regen.report.query import query
-from test_faults import control, rows_of
 
 pytestmark = pytest.mark.timeout(240)
 FAULTS = {"500": 0.12, "503": 0.08, "close": 0.05, "malformed": 0.05, "stall": 0.04}
@@ -100,7 +100,7 @@ def test_permanent_classes_only_when_named_and_the_cli_reports(server, run_dir, 
 
 
 def test_unknown_retry_class_names_the_allowed_ones():
-    # the defaults: the transient classes, then the server faults a new sample fixes (issue 20: unfinished, ...)
+    # the defaults: the transient classes, then the server faults a new sample fixes (unfinished, ...)
     assert parse_retry_classes(None) == parse_retry_classes("") == TRANSIENT + ("unfinished", "text_after_end",
                                                                                "over_max_tokens")
     assert parse_retry_classes("timeout, truncated") == ("timeout", "truncated")

@@ -7,12 +7,12 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
+from regen.config.generate import GenerateConfig, RetryConfig
+from regen.errors import InputError
 from regen.generate import ledger
 from regen.generate.checks import Completion, check_completion, classify_status
 from regen.generate.client import backoff_delay, parse_retry_after
-from regen.config.generate import GenerateConfig, RetryConfig
 from regen.generate.conversation import fill_missing_call_ids, next_segment, request_body, request_key, turn_positions
-from regen.errors import InputError
 from regen.generate.stage import resolve_endpoints
 
 
@@ -54,7 +54,7 @@ def test_turn_positions_cover_every_assistant_and_a_final_user_or_tool():
 
 
 def test_consecutive_user_turns_are_answered_turn_by_turn():
-    """MT-Bench `turns` rows are consecutive user messages: each gets its own answer (issue 11, point 1)."""
+    """MT-Bench `turns` rows are consecutive user messages: each gets its own answer."""
     u, a, t = {"role": "user"}, {"role": "assistant"}, {"role": "tool"}
     assert turn_positions([u, u]) == [1, 2]
     assert turn_positions([u, u, u]) == [1, 2, 3]

@@ -1,4 +1,4 @@
-"""Issue 20, the wire kinds, against the real fault-injecting server (regen.testing.openai_server): finished answers
+"""The wire kinds, against the real fault-injecting server (regen.testing.openai_server): finished answers
 only (the finish_reason allow-list), text past the end of the turn, usage that contradicts itself, error objects
 inside a 200, streamed tool calls without index. Each kind streamed and not, first and later turns."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ import urllib.request
 
 import pyarrow.parquet as pq
 import pytest
-
 from conftest import fast_config, write_prompts
+
 from regen.errors import InputError
 from regen.generate import ledger
 from regen.generate.stage import run_generate

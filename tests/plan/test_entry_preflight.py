@@ -1,4 +1,4 @@
-"""Issue 20 point 7: every entry that sends requests checks its endpoints first (they answer, accept the key, list
+"""Every entry that sends requests checks its endpoints first (they answer, accept the key, list
 the model), without asking for what only later stages need: `regen generate`, `regen plan --pilot`, the flow's
 generate task. The kimi-k3 profile against the real test server; a server that lists another model gets 0
 chat requests."""
@@ -13,8 +13,8 @@ from conftest import KEY, MODEL, closed_port_url
 from regen import cli
 from regen.config import load_profile
 from regen.generate.endpoints import EndpointsRefused
-from regen.report.plan import build_plan
 from regen.preflight import PreflightError
+from regen.report.plan import build_plan
 from regen.rundir import RunDir
 from regen.testing.openai_server import ServerThread, Settings
 from schemas.io import write_json_atomic, write_parquet_atomic

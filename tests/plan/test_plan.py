@@ -1,4 +1,4 @@
-"""`regen plan` (issue 13, point 1): both profiles plan without a request, and the plan's counts are within
+"""`regen plan`: both profiles plan without a request, and the plan's counts are within
 10% of what a small real run of the same profile produced (select + generate against the test server + render)."""
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def test_kimi_k3_plans_without_a_request(k3_env, monkeypatch, tmp_path, capsys):
     # apart (16 slots, a step's objects, at read_ahead 0: 84 GiB)
     assert d["memory_per_gpu_gib"]["features"] == 10.5 and d["host_memory_per_gpu_gib"]["feature_staging"] == 10.5
     assert "host/GPU feature slots" in out and "host/GB200 tray" in out  # host memory per GPU, apart from its total
-    # the target's forward runs on the producers (issue 19): not in the trainer's FLOPs, stated beside them
+    # the target's forward runs on the producers: not in the trainer's FLOPs, stated beside them
     # the draft's FLOPs counted per part for the mean row (regen.train.flops), not 6·P·D; rows x epochs of it
     rs, sh = d["row_shape"], plan["shards"]
     assert rs["num_anchors"] == 512 and rs["tokens"] == pytest.approx(sh["tokens"] / sh["rows"], rel=1e-3)
@@ -62,13 +62,13 @@ def test_kimi_k3_plans_without_a_request(k3_env, monkeypatch, tmp_path, capsys):
     assert f["producer_engines"] == -(-int(rows_s * f["tokens_per_row_mean"]) // 40000)
     assert f["producer_gpus"] == 16 * f["producer_engines"] and "(assumed)" in f["balance_formula"]
     assert "feature bytes / token" in out and "84.0 KiB" in out
-    # issue 25: which engines load the draft this profile trains, before 36 hours of training
+    # which engines load the draft this profile trains, before 36 hours of training
     sv = d["serving"]
     assert sv["tokenspeed"]["serves"] and sv["tokenspeed"]["version"] == "tokenspeed==0.1.1"
     assert not sv["vllm"]["serves"] and "fc_norm" in sv["vllm"]["refusals"][0]
     assert not sv["llama.cpp"]["serves"] and not sv["sglang"]["serves"]
     assert "served by tokenspeed" in out and "served by vllm" in out
-    # the mix's length bands and modes are counted (issue 28): every cell, its units, each mode's output tokens
+    # the mix's length bands and modes are counted: every cell, its units, each mode's output tokens
     cells = plan["cells"]["cells"]
     assert {c["mode"] for c in cells} == {"think_max", "think_low", "no_think"}
     assert {c["length_band"] for c in cells} <= {"0-2K", "2K-8K", "8K-16K", "16K-32K"}

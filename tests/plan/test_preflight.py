@@ -1,4 +1,4 @@
-"""Preflight (issue 13, point 0): `regen run` and the flow check every stage's configuration first and stop
+"""Preflight: `regen run` and the flow check every stage's configuration first and stop
 before any request, listing every problem at once. The kimi-k3 profile against the real test server."""
 from __future__ import annotations
 
@@ -116,7 +116,7 @@ def test_flow_runs_the_same_preflight_first():
 
 
 def test_the_draft_the_profile_will_train_is_checked_against_every_serving_engine(server, k3_env, tmp_path):
-    """Issue 25, point 2: a draft its listed engine cannot load, or that no engine loads, stops the run first."""
+    """A draft its listed engine cannot load, or that no engine loads, stops the run first."""
     run = RunDir.at(tmp_path / "run")
     rep = check_profile(profile_for(server.base_url), run)
     assert not rep.problems and any("the draft will load in tokenspeed" in c for c in rep.checks), rep.checks

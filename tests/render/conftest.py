@@ -7,7 +7,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from render_fixtures import GEMMA_TEMPLATE, train_tokenizer_json
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -9,6 +9,7 @@ import fsspec
 import polars as pl
 import pyarrow.parquet as pq
 import pytest
+from render_fixtures import generation_row, write_generations
 
 from regen.cli import main as cli_main
 from regen.config.render import RenderConfig
@@ -16,7 +17,6 @@ from regen.errors import InputError
 from regen.render.export import run_export
 from regen.render.stage import run_render
 from regen.rundir import RunDir
-from render_fixtures import generation_row, write_generations
 
 U1 = {"role": "user", "content": "What is the sum of two and three? Explain it briefly."}
 A0 = {"role": "assistant", "content": "Two plus three is five.", "reasoning_content": "2+3=5."}

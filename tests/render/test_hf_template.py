@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from render_fixtures import CHATML_MARKERS_TEMPLATE, CHATML_TEMPLATE, UNSTABLE_TEMPLATE
 
 from regen.errors import InputError
 from regen.render.hf_template import HFTemplateRenderer, TemplateNotPrefixStable
-from render_fixtures import CHATML_MARKERS_TEMPLATE, CHATML_TEMPLATE, UNSTABLE_TEMPLATE
 
 CONV = [
     {"role": "system", "content": "Be brief."},

@@ -4,8 +4,8 @@ makes a rendered conversation unfit as a training row."""
 from __future__ import annotations
 
 import pytest
-
 from kimi_helpers import kimi  # noqa: F401  (fixture)
+
 from regen.render.kimi_k3.messages import row_problems
 from regen.render.kimi_k3.renderer import KimiK3Renderer, RenderError
 

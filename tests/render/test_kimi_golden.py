@@ -3,8 +3,8 @@ verbatim; the rest from the §1-§2 rules), with control-token ids checked at th
 from __future__ import annotations
 
 import pytest
-
 from kimi_helpers import expected_ids, kimi  # noqa: F401  (fixture)
+
 from regen.render.kimi_k3.renderer import KimiK3Renderer
 
 EFFORT = ("<|open|>message role=\"system\" type=\"thinking-effort\"<|sep|>`thinking_effort` guides on how much to "

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from kimi_helpers import kimi  # noqa: F401  (fixture)
+
 from regen.render.kimi_k3.renderer import MASK_POLICIES, KimiK3Renderer
 from regen.render.kimi_k3.tokenizer import CLOSE, END_OF_MSG, OPEN, SEP
 

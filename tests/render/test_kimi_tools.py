@@ -4,8 +4,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from kimi_helpers import kimi  # noqa: F401  (fixture)
+
 from regen.render.kimi_k3.renderer import RenderError
 
 OPTS = {"thinking": False, "add_generation_prompt": False}

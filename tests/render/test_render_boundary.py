@@ -15,16 +15,22 @@ import pyarrow.parquet as pq
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from kimi_helpers import expected_ids
+from render_fixtures import (
+    CHATML_MARKERS_TEMPLATE,
+    CORPUS,
+    GEMMA_TEMPLATE,
+    generation_row,
+    train_tokenizer_json,
+    write_generations,
+)
+
 from regen.config.render import RenderConfig
 from regen.render.hf_template import HFTemplateRenderer
 from regen.render.kimi_k3.renderer import KimiK3Renderer
 from regen.render.stage import run_render
 from regen.rundir import RunDir
 from regen.target.prepare_model import CHAT_TEMPLATE
-from render_fixtures import (CHATML_MARKERS_TEMPLATE, CORPUS, GEMMA_TEMPLATE, generation_row, train_tokenizer_json,
-                             write_generations)
 
 MERGING_CORPUS = CORPUS + [
     "<start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n\nHello\n\n\n.\n:\n!\n  x\n\t\n", "model\n\n",

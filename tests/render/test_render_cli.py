@@ -6,9 +6,9 @@ import sys
 
 import pytest
 import yaml
+from render_fixtures import generation_row, write_generations
 
 from regen.cli import main as cli_main
-from render_fixtures import generation_row, write_generations
 
 U1 = {"role": "user", "content": "What is the sum of two and three? Explain it briefly."}
 

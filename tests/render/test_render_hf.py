@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pyarrow.parquet as pq
 import pytest
+from render_fixtures import generation_row, write_generations
 
 from regen.config.render import RenderConfig
 from regen.render.hf_template import HFTemplateRenderer
-from regen.target.prepare_model import CHAT_TEMPLATE, MODELS
 from regen.render.stage import run_render
 from regen.rundir import RunDir
-from render_fixtures import generation_row, write_generations
+from regen.target.prepare_model import CHAT_TEMPLATE, MODELS
 
 U1 = {"role": "user", "content": "What is the sum of two and three? Explain it briefly."}
 TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]

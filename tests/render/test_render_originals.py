@@ -1,5 +1,5 @@
 """`regen render --responses original`: the prompts' own answers rendered into `shards-original/` with the same
-template, assistant-only mask and response filters as the regenerated set (issue 12 point 3)."""
+template, assistant-only mask and response filters as the regenerated set."""
 from __future__ import annotations
 
 import json
@@ -8,6 +8,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
+from render_fixtures import generation_row, write_generations
 
 from regen.cli import main as cli_main
 from regen.config.render import RenderConfig
@@ -18,7 +19,6 @@ from regen.render.stage import run_render
 from regen.report.query import query
 from regen.rundir import RunDir
 from regen.target.prepare_model import CHAT_TEMPLATE
-from render_fixtures import generation_row, write_generations
 from schemas.io import write_json_atomic, write_parquet_atomic
 from schemas.prompt import PROMPT_SCHEMA, PromptRecord
 

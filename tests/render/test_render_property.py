@@ -11,12 +11,12 @@ from pathlib import Path
 import pyarrow.parquet as pq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from render_fixtures import generation_row, k3_generated_text, write_generations
 
 from regen.config.render import RenderConfig
 from regen.render.kimi_k3.renderer import KimiK3Renderer
 from regen.render.stage import run_render
 from regen.rundir import RunDir
-from render_fixtures import generation_row, k3_generated_text, write_generations
 
 PIECES = ["the ", "answer ", "is ", "five", ". ", "\n", "\n\n", "  ", "<|sep|>", "<|open|>", "<|close|>message",
           "<|end_of_msg|>", "[EOS]", "漢字", "テスト", "é", "🙂", "&", '"', "'s ", "12345", "\t", "def f(x): ", "{}"]

@@ -6,12 +6,12 @@ import json
 
 import pyarrow.parquet as pq
 import pytest
+from render_fixtures import generation_row, k3_generated_text, write_generations
 
 from regen.config.render import RenderConfig
 from regen.render.kimi_k3.renderer import KimiK3Renderer
 from regen.render.stage import filter_responses, make_renderer, run_render
 from regen.rundir import RunDir
-from render_fixtures import generation_row, k3_generated_text, write_generations
 
 K3 = {"thinking": True, "thinking_effort": "max"}
 PARAMS = json.dumps({"temperature": 1.0, "thinking": True, "thinking_effort": "max"})

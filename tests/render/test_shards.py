@@ -6,8 +6,8 @@ import hashlib
 import pyarrow.parquet as pq
 import pytest
 
-from regen.report.query import query
 from regen.render.shards import ShardWriter, rows_to_table
+from regen.report.query import query
 from schemas.shard import SHARD_SCHEMA, mask_from_spans, spans_from_mask
 
 
@@ -53,10 +53,11 @@ def test_shards_close_at_rows_or_tokens(tmp_path, max_rows, max_tokens, sizes):
 
 
 def test_query_views_and_trainer_feed_read_a_rendered_run(tmp_path):
+    from render_fixtures import generation_row, write_generations
+
     from regen.config.render import RenderConfig
     from regen.render.stage import run_render
     from regen.rundir import RunDir
-    from render_fixtures import generation_row, write_generations
 
     u = {"role": "user", "content": "Name three prime numbers and say why they are prime."}
     rows = [generation_row(f"p{i}", 0, [u], category=["math", "chat"][i % 2],

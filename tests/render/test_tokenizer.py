@@ -11,7 +11,12 @@ from hypothesis import strategies as st
 from regen.errors import InputError
 from regen.render.kimi_k3.test_vocab import build_test_vocab
 from regen.render.kimi_k3.tokenizer import (
-    NAMED_CONTROL_TOKENS, TEST_VOCAB_DIR, KimiTokenizer, load_tokenizer, pretokenize, split_runs,
+    NAMED_CONTROL_TOKENS,
+    TEST_VOCAB_DIR,
+    KimiTokenizer,
+    load_tokenizer,
+    pretokenize,
+    split_runs,
 )
 
 PINS = [  # FX pretokenize_pins.json cases quoted in §4

@@ -1,5 +1,5 @@
 """The report's acc_len-per-cell plot says how many of the selection's cells the evaluation measured, and names the
-ones it did not (issue 28, point 4: a held-out set of every cell)."""
+ones it did not (a held-out set of every cell)."""
 from __future__ import annotations
 
 from regen.report.acceptance import eval_plots

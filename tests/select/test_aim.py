@@ -1,4 +1,4 @@
-"""The next selection (issue 28, point 4): a round of new prompts within a budget of units, aimed at the cells
+"""The next selection: a round of new prompts within a budget of units, aimed at the cells
 where the evaluation's acc_len is lowest (or by the stated mix), from prompts not yet used, reasoning written
 down; `regen generate` then asks only the new prompts' units."""
 from __future__ import annotations
@@ -17,8 +17,8 @@ from regen.select.aim import allocate, is_heldout
 from regen.select.stage import next_round as next_selection
 from regen.select.stage import run_select
 from regen.train.eval import Round
-from regen.train.heldout import is_heldout as train_is_heldout
 from regen.train.eval_cells import breakdown
+from regen.train.heldout import is_heldout as train_is_heldout
 from schemas.prompt import turn_positions
 
 HELDOUT = 0.15

@@ -1,4 +1,4 @@
-"""Length bands and generation modes as dimensions of the mix (issue 28, point 1): band quotas inside each
+"""Length bands and generation modes as dimensions of the mix: band quotas inside each
 category's quota, modes in stated proportions per category x band cell, both recorded on every prompt row and
 visible in the DuckDB views."""
 from __future__ import annotations
@@ -12,10 +12,10 @@ import pytest
 
 from regen.config import ProfileError, load_profile
 from regen.config.select import SelectConfig, SourceConfig, band_names, band_of
+from regen.errors import InputError
 from regen.report.query import query
 from regen.rundir import RunDir
 from regen.select.mix import assign_modes, select_rows
-from regen.errors import InputError
 from regen.select.stage import run_select, starved_categories, with_bands
 from schemas.prompt import CATEGORIES
 

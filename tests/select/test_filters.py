@@ -5,12 +5,20 @@ import random
 from dataclasses import dataclass, field
 
 import numpy as np
+from select_helpers import perturb
 
 from filters.dedup import MinHasher, lsh_params, near_duplicates
-from filters.prompt import (ContaminationFilter, ContaminationIndex, EmptyFilter, ExactDedupFilter, ImageOnlyFilter,
-                            TokenBudgetFilter, ToolSchemaFilter, prompt_tokens)
+from filters.prompt import (
+    ContaminationFilter,
+    ContaminationIndex,
+    EmptyFilter,
+    ExactDedupFilter,
+    ImageOnlyFilter,
+    TokenBudgetFilter,
+    ToolSchemaFilter,
+    prompt_tokens,
+)
 from filters.text import estimate_tokens, normalize_text
-from select_helpers import perturb
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Input policies of `regen select` (issue 11, points 6-9 and 14): hostile text, shape by vote, one file-level
+"""Input policies of `regen select`: hostile text, shape by vote, one file-level
 policy across formats naming every bad file, and a selection swapped in only when complete."""
 from __future__ import annotations
 

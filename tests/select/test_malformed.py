@@ -7,10 +7,9 @@ import pytest
 
 from regen.config.select import SelectConfig, SourceConfig
 from regen.errors import InputError
+from regen.report.query import query
 from regen.rundir import RunDir
 from regen.select.stage import run_select
-from regen.report.query import query
-
 
 
 def write_jsonl(path, rows):

@@ -1,4 +1,4 @@
-"""Selection keeps each source row's own answer beside the prompt (`original_answers`, issue 12 point 3).
+"""Selection keeps each source row's own answer beside the prompt (`original_answers`).
 
 Golden values are the bundled files' own fields; every kind of source that ships answers is covered, and the
 rows that have none say why.
@@ -11,13 +11,11 @@ import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from select_helpers import drafts_of
 
 from regen.select.originals import original_answers, source_answer
 from regen.select.shapes import normalize_row
-from select_helpers import drafts_of
 from schemas.prompt import PROMPT_SCHEMA, PromptRecord, inserted_positions, original_answers_of, turn_positions
-
-
 
 
 def _rows(path):

@@ -1,4 +1,4 @@
-"""Issue 20, the row kinds at select: control-token strings in prompt text (rejected before any request, naming
+"""The row kinds at select: control-token strings in prompt text (rejected before any request, naming
 token and place; Kimi-K3 keeps them), tool results linked by their own name, duplicate keys in JSON rows at any
 depth and duplicate column names. Literal pool files in every format the stage reads."""
 from __future__ import annotations
@@ -8,13 +8,13 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from select_helpers import drafts_of
 
 from regen.config.select import SelectConfig, SourceConfig
 from regen.errors import InputError
 from regen.report.query import query
 from regen.rundir import RunDir
 from regen.select.stage import run_select
-from select_helpers import drafts_of
 
 GOOD = [{"messages": [{"role": "user", "content": t}]}
         for t in ("Why is the sky blue?", "Write a haiku about autumn leaves.", "How do I reverse a list in Python?",
@@ -84,7 +84,7 @@ def test_a_selection_made_before_the_check_resumes_and_a_changed_renderer_resele
     (tmp_path / "pool.jsonl").write_text(_lines(rows))
     run, m = _select(tmp_path, tmp_path / "pool.jsonl")
     legacy = json.loads((run.prompts / "manifest.json").read_text())
-    del legacy["control_tokens"]  # as written before issue 20
+    del legacy["control_tokens"]  # as written before the control-token check existed
     (run.prompts / "manifest.json").write_text(json.dumps(legacy))
     _, resumed = _select(tmp_path, tmp_path / "pool.jsonl", control_tokens=CHATML)
     assert resumed["num_prompts"] == len(rows)  # resumed as it was, not re-selected ...

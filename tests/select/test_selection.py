@@ -5,8 +5,8 @@ import json
 import random
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
+from select_helpers import perturb
 
 from regen.config import load_profile
 from regen.config.select import SelectConfig, SourceConfig
@@ -14,7 +14,6 @@ from regen.report.query import query
 from regen.rundir import RunDir
 from regen.select.stage import largest_remainder, plan_mix, run_select, select_rows
 from schemas.prompt import CATEGORIES
-from select_helpers import perturb
 
 SHARES = {"general": 0.25, "reasoning": 0.2, "coding": 0.2, "tool_use": 0.15, "chinese": 0.1, "multilingual": 0.1}
 

@@ -5,13 +5,11 @@ import json
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from select_helpers import drafts_of
 
 from regen.config.select import SourceConfig
 from regen.select.shapes import detect_shape, normalize_row, openai_tools
 from regen.select.sources import source_files
-from select_helpers import drafts_of
-
-
 
 
 def test_sharegpt_function_call_and_observation(repo_root):
@@ -140,7 +138,7 @@ def test_dataset_dict_splits_are_source_files(tmp_path):
 
 def test_every_user_turn_of_the_bundled_prompts_gets_its_own_answer(repo_root):
     """Multi-turn rows of every bundled shape (MT-Bench `turns` in three languages, BFCL multi-turn, ShareGPT with
-    several human turns, kimi-mtp): the generate stage answers each user turn (issue 11, point 1)."""
+    several human turns, kimi-mtp): the generate stage answers each user turn."""
     from regen.generate.conversation import turn_positions
 
     num_multi = 0

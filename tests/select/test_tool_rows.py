@@ -1,5 +1,5 @@
-"""Tool calls and results in source rows: parallel calls linked in order, ids unique per conversation (issue 11,
-point 2), and Kimi-K2 markers written as text parsed into tool_calls / tool messages (point 3)."""
+"""Tool calls and results in source rows: parallel calls linked in order, ids unique per conversation,
+and Kimi-K2 markers written as text parsed into tool_calls / tool messages."""
 from __future__ import annotations
 
 import json
@@ -129,7 +129,7 @@ def test_an_unknown_result_id_is_rejected():
         normalize_row(row, "messages", {"messages": "messages"})
 
 
-# ------------------------------------------------------------------ Kimi-K2 markers as text (issue 11, point 3)
+# ------------------------------------------------------------------ Kimi-K2 markers as text
 
 SB, SE = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
 PROSE = "You are Kimi. You can call get_weather(city) to get the weather and get_time(city) for the local time."

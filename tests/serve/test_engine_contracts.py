@@ -1,4 +1,4 @@
-"""The exports checked by the engines' own code at their pinned versions (issue 25, point 3).
+"""The exports checked by the engines' own code at their pinned versions.
 
 Each engine runs in its own process (tests/serve/engine_driver.py): TokenSpeed 0.1.1 and SGLang 0.5.23 from their
 wheels in `.engines/` (scripts/setup.sh), vLLM 0.32 in `.venv-vllm` (its CPU build; REGEN_VLLM=1 setup). The engine

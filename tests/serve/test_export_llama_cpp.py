@@ -1,9 +1,8 @@
 """The llama.cpp export (GGUF `dflash`) read back, the engine's budget rule, the lossless comparison, and a real
-llama.cpp server loading the export beside the embedded target (issue 25, points 1 and 4)."""
+llama.cpp server loading the export beside the embedded target."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest

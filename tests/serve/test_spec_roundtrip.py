@@ -1,4 +1,4 @@
-"""The round trip on this machine (issue 25, point 4): a draft trained by regen's trainer on the embedded target's
+"""The round trip on this machine: a draft trained by regen's trainer on the embedded target's
 own greedy answers, exported for llama.cpp, served beside the target through llama.cpp's DSpark speculative
 decoding; acceptance read from the engine's counters and checked against regen's replay of the same prompts.
 
@@ -26,10 +26,10 @@ from train_helpers import ShardWriter, write_profile  # noqa: E402
 from regen.config import load_profile  # noqa: E402
 from regen.config.serve import ServeConfig  # noqa: E402
 from regen.rundir import RunDir  # noqa: E402
-from regen.serve.engines import export_draft, llama_cpp as gguf_export  # noqa: E402
+from regen.serve.engines import export_draft  # noqa: E402
+from regen.serve.engines import llama_cpp as gguf_export
 from regen.serve.engines.draft import load_draft_checkpoint  # noqa: E402
-from regen.serve.engines.spec_eval import (ensure_engine_gguf, lossless, regen_side, serve_and_measure,  # noqa: E402
-                                           summarize_engine)
+from regen.serve.engines.spec_eval import ensure_engine_gguf, lossless, regen_side, serve_and_measure, summarize_engine  # noqa: E402
 from regen.target.llama_cpp import version as xllamacpp_version  # noqa: E402
 
 pytestmark = [pytest.mark.slow,

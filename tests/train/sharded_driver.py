@@ -14,9 +14,9 @@ import torch
 
 def build(seed: int, info):
     from regen.train.draft_config import DSparkConfig
-    from regen.train.step import make_objective
     from regen.train.model import DSparkDraft
     from regen.train.parallel import shard_model
+    from regen.train.step import make_objective
 
     torch.manual_seed(seed)
     cfg = DSparkConfig(hidden_size=32, intermediate_size=64, num_attention_heads=2, q_lora_rank=16, kv_lora_rank=8,

@@ -1,5 +1,5 @@
 """bench/regen_vs_original.py --quick on a tiny random target: both arms trained on the same prompts, measured
-on the same held-out prompts, the JSON in the issue's shape (issue 12 point 4). Figures are not asserted."""
+on the same held-out prompts, the JSON in the issue's shape. Figures are not asserted."""
 from __future__ import annotations
 
 import json

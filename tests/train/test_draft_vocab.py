@@ -9,8 +9,8 @@ import torch
 from test_dspark_model import tiny_cfg
 
 from regen.train.draft_vocab import select_draft_vocab
-from regen.train.model import DSparkDraft, load_draft, save_draft
 from regen.train.loss import dspark_loss
+from regen.train.model import DSparkDraft, load_draft, save_draft
 
 
 def test_selection_takes_forced_then_most_frequent_then_lowest_unseen_ids():
@@ -155,9 +155,8 @@ def test_training_with_a_draft_vocabulary_counts_training_rows_and_resumes_with_
 
     from test_train import samples, train_cfg, weights
 
-    from regen.train.feed import ShardFeed
     from regen.rundir import RunDir
-    from regen.train.feed import FeedConfig
+    from regen.train.feed import FeedConfig, ShardFeed
     from regen.train.loop import run_train
 
     profile, run_dir = tiny_run

@@ -8,9 +8,15 @@ import torch
 import torch.nn.functional as F
 from test_dspark_model import tiny_cfg
 
+from regen.train.loss import (
+    chain_expectation,
+    create_block_attention_mask,
+    decay_weights,
+    dspark_loss,
+    evaluation_mask,
+    sample_anchors,
+)
 from regen.train.model import DSparkDraft
-from regen.train.loss import (chain_expectation, create_block_attention_mask, decay_weights, dspark_loss,
-                               evaluation_mask, sample_anchors)
 
 
 def test_block_attention_mask_worked_example():

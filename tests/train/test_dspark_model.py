@@ -4,8 +4,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from regen.train.model import (DSparkConfig, DSparkDraft, build_meta, count_parameters, kimi_k3_config, load_draft,
-                          rope_inv_freq, save_draft, softmax_scale)
+from regen.train.model import (
+    DSparkConfig,
+    DSparkDraft,
+    build_meta,
+    count_parameters,
+    kimi_k3_config,
+    load_draft,
+    rope_inv_freq,
+    save_draft,
+    softmax_scale,
+)
 
 
 def tiny_cfg(**kw) -> DSparkConfig:
@@ -202,7 +211,7 @@ def test_rope_layout_per_attention_type(attention_type, layout, monkeypatch):
 
 def test_old_checkpoints_keep_their_stated_layout_and_theta_is_explicit():
     d = tiny_cfg(attention_type="gqa").to_dict()
-    old_gqa = {**d, "rope_interleave": True}  # a GQA checkpoint written before issue 14 states interleaved
+    old_gqa = {**d, "rope_interleave": True}  # a GQA checkpoint written before the rotary fix states interleaved
     assert DSparkConfig.from_dict(old_gqa).rope_interleave is True
     mla = tiny_cfg().to_dict()
     assert mla["rope_interleave"] is True and DSparkConfig.from_dict(mla).rope_interleave is True

@@ -1,4 +1,4 @@
-"""`train.dtype` / `train.target_dtype: auto`: bf16 only where the CPU computes it natively (issue 21 point 6)."""
+"""`train.dtype` / `train.target_dtype: auto`: bf16 only where the CPU computes it natively."""
 from __future__ import annotations
 
 import pytest

@@ -77,10 +77,10 @@ def test_regen_eval_end_to_end_on_a_tiny_target(tmp_path, tiny_target_dir, shard
     from train_helpers import make_rows
 
     from regen.config.train import TrainConfig
-    from regen.train.model import DSparkDraft, save_draft, small_config_for_target
-    from regen.train.eval import run_eval
     from regen.rundir import RunDir
-    from regen.train.target import TargetFeatures, TargetContract
+    from regen.train.eval import run_eval
+    from regen.train.model import DSparkDraft, save_draft, small_config_for_target
+    from regen.train.target import TargetContract, TargetFeatures
 
     shard_writer.add(make_rows(6, seed=1, vocab=512, min_len=20, max_len=40), complete=True)
     run = RunDir.at(shard_writer.dir.parent)
@@ -124,9 +124,9 @@ def test_eval_compares_an_ablation_on_the_same_prompts(tmp_path, tiny_target_dir
     from train_helpers import make_rows
 
     from regen.config.train import TrainConfig
-    from regen.train.model import DSparkDraft, save_draft, small_config_for_target
-    from regen.train.eval import run_eval
     from regen.rundir import RunDir
+    from regen.train.eval import run_eval
+    from regen.train.model import DSparkDraft, save_draft, small_config_for_target
     from regen.train.target import TargetContract, TargetFeatures
 
     shard_writer.add(make_rows(4, seed=2, vocab=512, min_len=20, max_len=40), complete=True)
@@ -176,8 +176,8 @@ def test_oracle_draft_on_a_real_target_reaches_full_blocks(tiny_target_dir):
 def test_confidence_threshold_cuts_blocks():
     from test_dspark_model import tiny_cfg
 
-    from regen.train.model import DSparkDraft
     from regen.train.eval import proposal_table
+    from regen.train.model import DSparkDraft
 
     d = DSparkDraft(tiny_cfg(block_size=4))
     with torch.no_grad():

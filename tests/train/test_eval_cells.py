@@ -1,4 +1,4 @@
-"""acc_len per category x length band x mode (issue 28, point 2): the per-cell figures on scripted rounds (both
+"""acc_len per category x length band x mode: the per-cell figures on scripted rounds (both
 averages, conditional and unconditional per-position acceptance), and `regen eval` end to end writing them for the
 labels the selection recorded."""
 from __future__ import annotations

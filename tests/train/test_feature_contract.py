@@ -8,8 +8,17 @@ import pytest
 import torch
 
 from regen.train.features.contract import (
-    FeatureContractError, FeatureSpec, check_header, check_values, decode, encode, layer_ids_in, make_header, object_nbytes,
-    read_header)
+    FeatureContractError,
+    FeatureSpec,
+    check_header,
+    check_values,
+    decode,
+    encode,
+    layer_ids_in,
+    make_header,
+    object_nbytes,
+    read_header,
+)
 
 SPEC = FeatureSpec("regen/test", (1, 3, 5), "prefix", "float32", 16, 8, "rev-a")
 PRODUCER = {"id": "p0-host-1", "engine": "transformers", "engine_version": "5.x", "host": "host", "pid": 1}

@@ -5,12 +5,12 @@ import threading
 import time
 
 import pytest
+from train_helpers import make_rows
 
 from regen.errors import InputError
 from regen.train.feed import FeedConfig, ShardFeed
 from schemas.io import write_rows_atomic
 from schemas.shard import SHARD_SCHEMA, mask_from_spans
-from train_helpers import make_rows
 
 CFG = FeedConfig(seed=3, max_len=48, max_tokens=160, max_batch=4, shuffle_buffer=16, bucket_window=8,
                  min_loss_tokens=4, poll_s=0.05)

@@ -12,9 +12,9 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 
 from regen.train.draft_config import DSparkConfig
 from regen.train.flops import PARTS, plan_flops, pt_rows_of, row_flops, row_flops_by_pass
-from regen.train.step import make_objective
 from regen.train.loss import decay_weights, evaluation_mask, sample_anchors, slot_layout, slot_positions
 from regen.train.model import DSparkDraft
+from regen.train.step import make_objective
 
 KV = {"kv_a_proj_with_mqa", "kv_b_proj", "k_proj", "v_proj"}
 BLOCK = {"q_a_proj", "q_b_proj", "q_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}

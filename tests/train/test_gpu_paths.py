@@ -1,4 +1,4 @@
-"""The CUDA path checked on CPU (issue 26): collectives on their planes with NCCL declared, the step's host
+"""The CUDA path checked on CPU: collectives on their planes with NCCL declared, the step's host
 reads counted, bf16 through FSDP2's mixed precision, device resolution, timeouts that let the clear error win."""
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from regen.errors import InputError
 from regen.train import collectives
 from regen.train.collectives import CollectiveDeviceError, declare_backend
 from regen.train.feed import FeedConfig, ShardFeed
-from regen.train.step import make_objective, prepare_microbatch, reduce_metrics, train_step
 from regen.train.model import DSparkDraft, small_config_for_target
 from regen.train.parallel import init_distributed, shard_model
+from regen.train.step import make_objective, prepare_microbatch, reduce_metrics, train_step
 from regen.train.target import TargetContract, TargetFeatures
 
 REPO = Path(__file__).resolve().parents[2]
@@ -190,7 +190,7 @@ class HostReads:
 @pytest.mark.parametrize("grad_accum", [1, 3])
 def test_host_reads_per_step_do_not_grow_with_micro_batches(tiny_run, target, dist_info, monkeypatch, grad_accum):
     """One host read per step (the loss weights, agreed on the control plane), whatever the number of micro-batches;
-    the metrics are read once at a log step. Before issue 26: about 13 per micro-batch + 3 per step."""
+    the metrics are read once at a log step. Before this was counted: about 13 per micro-batch + 3 per step."""
     model, opt = build(target, dist_info)
     src = CachedFeatures(target)
     batches = steps(tiny_run[1], grad_accum, 2, model.config)

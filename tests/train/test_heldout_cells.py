@@ -1,4 +1,4 @@
-"""The held-out split covers every cell (issue 28, point 4): the per-cell picks of `train.heldout_per_cell`, kept
+"""The held-out split covers every cell: the per-cell picks of `train.heldout_per_cell`, kept
 by the trainer's feed, recorded, rebuilt and checked by `regen eval`, and never moved by a loop round."""
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ import pytest
 
 from regen.errors import InputError
 from regen.rundir import RunDir
-from regen.train.heldout import is_heldout
-from regen.train.heldout import HeldoutSplit, cell_picks, eval_order, first_selection_cells, heldout_split
+from regen.train.heldout import HeldoutSplit, cell_picks, eval_order, first_selection_cells, heldout_split, is_heldout
 
 
 def h(pid: str) -> str:

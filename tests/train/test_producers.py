@@ -103,7 +103,7 @@ def test_producers_through_mooncake_train_the_same_draft_as_in_process(tiny_run,
     assert summary["features_from"] == "producers" and f["objects"] > 0 and f["failed_microbatches"] == 0
     assert f["store_samples"] > 0 and 0 < f["store_allocated_bytes_max"] <= f["budget_bytes"] == 802000
     assert f["accounted_bytes_max"] <= f["budget_bytes"]
-    # into the device (issue 26 point 3): each object read by the store straight into a host slot (no copy after
+    # into the device: each object read by the store straight into a host slot (no copy after
     # it), at most 2 objects resident, whatever grad_accum
     st = f["staging"]
     assert st["store_reads_into_slots"] == f["objects"] == 24 and st["host_copies"] == 0 and st["resident_max"] == 2
@@ -141,8 +141,9 @@ def test_producers_leave_out_the_per_cell_held_out_picks_as_the_trainer_does(tin
 @pytest.mark.parametrize("target,dtype", [("tiny", "float32"), ("tiny", "bfloat16"),
                                           ("smollm2", "float32"), ("smollm2", "bfloat16")])
 def test_features_through_the_store_equal_in_process_exactly(tiny_target, tmp_path, target, dtype):
-    from regen.config import REPO_ROOT
     from train_helpers import ShardWriter, make_rows
+
+    from regen.config import REPO_ROOT
 
     path = tiny_target if target == "tiny" else REPO_ROOT / "data" / "models" / "smollm2-135m"
     if not (path / "config.json").exists():

@@ -95,9 +95,10 @@ def test_the_reader_keeps_depth_objects_ahead_across_steps_in_depth_plus_one_hos
     object's copy issued once it is staged, its slot reused after it) or depth + 1 (CPU: the slot is the object's
     memory until released) of the largest object, equal to `host_staging_bytes(read_ahead=depth)` byte for byte;
     the features handed over are the objects' bytes; at most 2 objects resident."""
+    from test_host_memory import CountingOps
+
     from regen.train.features.staging import Staging
     from regen.train.memory import host_staging_bytes, largest_object_bytes
-    from test_host_memory import CountingOps
 
     shapes = [[(1, 5), (2, 6), (1, 8), (2, 3)], [(2, 7), (1, 8), (2, 8), (1, 2)], [(2, 8)] * 4]
     objects, mbs = _objects(shapes)
@@ -177,9 +178,9 @@ def target(tiny_target):
 
 
 def _build(target, info, sgd):
-    from regen.train.step import make_objective
     from regen.train.model import DSparkDraft, small_config_for_target
     from regen.train.parallel import shard_model
+    from regen.train.step import make_objective
 
     torch.manual_seed(0)
     cfg = small_config_for_target(target.config, target_layer_ids=(0, 1, 2), markov_rank=16, num_anchors=6)
@@ -201,9 +202,8 @@ def _steps(run_dir, n_steps, grad_accum=3):
 def _train(target, info, steps, remote, *, read_ahead, zero=(), sgd=False, normalization="step"):
     """`steps` trained through `remote`: serial (`fetch` then `zero` keys zeroed, as the loop does) or read ahead
     (the next step submitted while this one trains). Returns (params, [train_step metrics])."""
-    from regen.train.step import prepare_microbatch
     from regen.train.parallel import full_model_state
-    from regen.train.step import train_step, zero_loss
+    from regen.train.step import prepare_microbatch, train_step, zero_loss
 
     model, opt = _build(target, info, sgd)
     out = []
@@ -241,8 +241,7 @@ def test_training_through_the_reader_equals_the_serial_path_bit_for_bit(tiny_run
     thread, the next step submitted early) equals the one trained with every object read before its step, every
     weight bit for bit, the same losses; and both equal features computed in process."""
     from regen.train.parallel import full_model_state
-    from regen.train.step import prepare_microbatch
-    from regen.train.step import train_step
+    from regen.train.step import prepare_microbatch, train_step
 
     steps = _steps(tiny_run[1], 2)
     spec, objects = _tiny_objects(target, steps)

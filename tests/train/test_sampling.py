@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from regen.train.eval import sampled_rounds, summarize
-from regen.train.sampling import (acceptance_closed_form, residual_distribution, sampling_probs, verify_sampled)
+from regen.train.sampling import acceptance_closed_form, residual_distribution, sampling_probs, verify_sampled
 
 CHI2_DF4_P0005 = 20.0  # chi-square quantile, 4 degrees of freedom, p ≈ 0.0005 (seeded draws: deterministic)
 

@@ -4,8 +4,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from regen.train.target import (ContractError, TargetContract, TargetFeatures, declared_contract,
-                          default_target_layer_ids, validate_layer_ids)
+from regen.train.target import (
+    ContractError,
+    TargetContract,
+    TargetFeatures,
+    declared_contract,
+    default_target_layer_ids,
+    validate_layer_ids,
+)
 
 
 def tiny_qwen3(num_layers=4, seed=0):

@@ -1,4 +1,4 @@
-"""Issue 28, points 3 and 6 on the tiny target: the held-out estimate every N steps (labelled an estimate), the
+"""Points 3 and 6 on the tiny target: the held-out estimate every N steps (labelled an estimate), the
 best checkpoint beside the latest, the curve in the training summary; TensorBoard event files with the training
 and evaluation figures and the run's configuration; the progress line; `regen eval` to TensorBoard."""
 from __future__ import annotations
@@ -48,8 +48,9 @@ def test_estimates_every_n_steps_keep_the_best_and_track_to_tensorboard(tiny_run
     assert during["best"]["step"] == best["step"] and [c["step"] for c in during["curve"]] == [2, 4, 6]
     assert "estimate" in during["method"]
     # the best folder is a servable draft: it loads, and it is the draft of that step, not the last one
-    from regen.train.model import load_draft
     from transformers import AutoModelForCausalLM
+
+    from regen.train.model import load_draft
 
     target = AutoModelForCausalLM.from_pretrained(cfg.target)
     load_draft(train / "best", target_model=target)

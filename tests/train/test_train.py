@@ -125,8 +125,8 @@ def test_cli_reports_a_missing_target_without_a_traceback(tiny_run, capsys):
 def test_kimi_k3_profile_builds_the_full_size_draft_on_meta():
     from types import SimpleNamespace
 
-    from regen.train.model import build_meta, count_parameters
     from regen.train.draft_config import build_draft_config
+    from regen.train.model import build_meta, count_parameters
 
     cfg = load_profile("kimi-k3").train
     k3 = SimpleNamespace(hidden_size=7168, num_hidden_layers=93, vocab_size=163840, model_type="kimi_k3")

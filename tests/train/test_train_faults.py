@@ -1,4 +1,4 @@
-"""A training run that never lies (issue 27): divergence stops, checkpoints are verified, resume falls back loudly."""
+"""A training run that never lies: divergence stops, checkpoints are verified, resume falls back loudly."""
 from __future__ import annotations
 
 import json
@@ -189,8 +189,9 @@ def test_pruning_follows_step_numbers_and_keeps_the_pointed_one(tiny_run):
 
 @pytest.mark.integration
 def test_eval_and_export_refuse_a_damaged_or_nonfinite_checkpoint(tiny_run):
-    from regen.serve.engines.draft import load_draft_checkpoint
     from safetensors.torch import save_file
+
+    from regen.serve.engines.draft import load_draft_checkpoint
 
     profile, run_dir = tiny_run
     run_train(train_cfg(profile, max_steps=1), RunDir.at(run_dir))
@@ -275,7 +276,6 @@ def test_resume_with_another_target_of_the_same_shape_is_refused(tiny_run, tmp_p
 @pytest.mark.integration
 def test_eval_keeps_to_the_split_recorded_at_training_time(tiny_run, tmp_path):
     from safetensors.torch import save_file
-
     from train_helpers import make_rows
 
     from regen.train.eval import run_eval

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from regen.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from regen.train.model import DSparkDraft, small_config_for_target
 from regen.train.feed import FeedConfig, ShardFeed
+from regen.train.model import DSparkDraft, small_config_for_target
 from regen.train.parallel import full_model_state, full_optim_state, init_distributed, shard_model
-from regen.train.target import TargetContract, TargetFeatures
 from regen.train.step import make_objective, prepare_microbatch, train_step
+from regen.train.target import TargetContract, TargetFeatures
 from regen.train.trainer import lr_lambda
 
 

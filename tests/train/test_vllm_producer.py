@@ -47,8 +47,9 @@ REL_TOL = 1e-3
 
 
 def _producer(argv):
-    from regen.train.features.vllm_producer import VllmProducer, add_arguments
     import argparse
+
+    from regen.train.features.vllm_producer import VllmProducer, add_arguments
 
     p = argparse.ArgumentParser()
     add_arguments(p)
@@ -64,10 +65,11 @@ def _producer(argv):
 ])
 def test_vllm_producer_refuses_what_it_cannot_produce_before_starting_a_server(tiny_target, tmp_path, stream, argv,
                                                                                 expect):
+    from train_helpers import make_tiny_target
+
     from regen.errors import InputError
     from regen.train.features.contract import FeatureSpec
     from regen.train.target_head import target_revision
-    from train_helpers import make_tiny_target
 
     other = make_tiny_target(tmp_path / "other", seed=1)
     argv = [str(other) if a == "OTHER" else a for a in argv]
@@ -155,11 +157,12 @@ def test_vllm_features_equal_transformers_and_train_through_the_dispatcher(tmp_p
     moves a token by 1.3-2.3e-3 (caught), and the pre-norm last state without the final norm is 10-150x off.
     """
     pytest.importorskip("mooncake.store", reason="the Mooncake store (bash scripts/setup.sh installs it)")
-    from regen.train.features.netns import loopback_only
-    from regen.train.loop import run_train
+    from train_helpers import ShardWriter, make_rows, write_profile
+
     from regen.config import load_profile
     from regen.rundir import RunDir
-    from train_helpers import ShardWriter, make_rows, write_profile
+    from regen.train.features.netns import loopback_only
+    from regen.train.loop import run_train
 
     if not (SMOLLM2 / "config.json").exists():
         pytest.skip(f"{SMOLLM2} not prepared (bash scripts/setup.sh)")

@@ -1,4 +1,4 @@
-"""Warm start (issue 28, point 5): `regen train` starts from an existing draft (a regen step folder, or the
+"""Warm start: `regen train` starts from an existing draft (a regen step folder, or the
 folder an engine loads: K3DSparkModel for TokenSpeed/vLLM, Qwen3DSparkModel for vLLM/SGLang), checked against the
 profile with one line per mismatch; the run's own checkpoint wins over init_from on resume."""
 from __future__ import annotations

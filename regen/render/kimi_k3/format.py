@@ -27,7 +27,13 @@ import json
 from typing import NamedTuple
 
 from regen.render.kimi_k3.messages import (  # noqa: F401  (RenderError re-exported)
-    RenderError, _Num, check_renderable, dump_value, order_tool_results, parse_arguments, value_type,
+    RenderError,
+    _Num,
+    check_renderable,
+    dump_value,
+    order_tool_results,
+    parse_arguments,
+    value_type,
 )
 from regen.render.kimi_k3.tokenizer import CLOSE, END_OF_MSG, OPEN, SEP
 

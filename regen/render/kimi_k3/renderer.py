@@ -15,10 +15,17 @@ Mask policies (which tokens of an assistant message are supervised; every span i
 from __future__ import annotations
 
 from regen.render.kimi_k3.format import (  # noqa: F401  (re-exported: the format's public names live here too)
-    ASSISTANT_OPEN, CHANNEL_OPEN, END, GENERATED, PROMPT, RenderError, Segment, build_segments,
+    ASSISTANT_OPEN,
+    CHANNEL_OPEN,
+    END,
+    GENERATED,
+    PROMPT,
+    RenderError,
+    Segment,
+    build_segments,
 )
-from regen.render.renderer import Rendered
 from regen.render.kimi_k3.tokenizer import KimiTokenizer, load_tokenizer
+from regen.render.renderer import Rendered
 
 RENDERER_NAME = "kimi-k3"
 RENDERER_VERSION = "2"  # bump whenever output ids or spans can change (2: notes in the prompt of a sample)

@@ -20,7 +20,13 @@ import json
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from regen.render.kimi_k3.tokenizer import NAMED_CONTROL_TOKENS, VOCAB_SIZE, CONTROL_BASE, NUM_CONTROL_TOKENS, pretokenize
+from regen.render.kimi_k3.tokenizer import (
+    CONTROL_BASE,
+    NAMED_CONTROL_TOKENS,
+    NUM_CONTROL_TOKENS,
+    VOCAB_SIZE,
+    pretokenize,
+)
 
 CORPUS_SUFFIXES = (".json", ".jsonl", ".txt", ".md")
 

@@ -19,7 +19,6 @@ import json
 
 def add_arguments(parser) -> None:
     from regen.config import add_profile_arguments
-
     from regen.serve.engines import ENGINES
 
     add_profile_arguments(parser)

@@ -78,11 +78,9 @@ def load_draft_checkpoint(path: str | Path) -> DraftCheckpoint:
     """Read a trainer step folder for export. InputError when it is missing, is not a regen draft
     folder (an engine's export given back), or holds a non-finite weight (a diverged run: the engine would serve
     NaN); CheckpointError when a file differs from its MANIFEST.json (`regen.train.checkpoint.check_intact`)."""
-    from regen.train.checkpoint import load_servable_weights
+    from regen.train.checkpoint import find_draft, load_servable_weights
     from regen.train.draft_config import CONFIG_NAME, WEIGHTS_NAME, DSparkConfig
     from schemas.io import read_json, sha256_file
-
-    from regen.train.checkpoint import find_draft
 
     folder = find_draft(path)
     try:

@@ -28,8 +28,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from regen.serve.engines.draft import (DraftCheckpoint, Refusal, provenance, replace_dir, staging_dir,
-                                      verification_record, write_launch)
+from regen.serve.engines.draft import (
+    DraftCheckpoint,
+    Refusal,
+    provenance,
+    replace_dir,
+    staging_dir,
+    verification_record,
+    write_launch,
+)
 
 ENGINE = "llama.cpp"
 PACKAGE = "xllamacpp"

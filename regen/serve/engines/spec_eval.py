@@ -200,14 +200,13 @@ def regen_side(train_cfg, prompts: list[dict], ddir: Path, max_new_tokens: int, 
     (its latest step: `regen.train.checkpoint.find_draft`); InputError when none holds a checkpoint."""
     import torch
 
-    from regen.train.checkpoint import find_draft
-
     from regen.config import resolve_path
+    from regen.train.checkpoint import find_draft
+    from regen.train.draft_config import DSparkConfig
     from regen.train.eval import greedy_reference, proposal_table, replay_rounds, summarize
     from regen.train.eval_cells import breakdown
     from regen.train.model import load_draft
     from regen.train.target import TargetContract, TargetFeatures
-    from regen.train.draft_config import DSparkConfig
 
     ddir = find_draft(ddir)
     dcfg = DSparkConfig.from_json(ddir / "config.json")
@@ -284,8 +283,8 @@ def run_engine_eval(profile, run, *, draft_dir=None, num_prompts: int | None = N
     Raises InputError when the profile serves no embedded llama.cpp target, the run has no checkpoint or no
     held-out prompt, or the draft does not fit llama.cpp (EngineRefused, with every reason)."""
     from regen.errors import InputError
-    from regen.train.checkpoint import find_draft
     from regen.target.server import resolve_engine
+    from regen.train.checkpoint import find_draft
     from regen.train.draft_config import DSparkConfig
     from regen.train.eval import heldout_prompts
     from schemas.io import write_json_atomic

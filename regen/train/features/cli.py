@@ -23,6 +23,7 @@ from pathlib import Path
 from regen.config.units import parse_bytes
 from regen.errors import InputError
 
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from regen.train.features import producer, vllm_producer
 

@@ -47,8 +47,15 @@ from collections import deque
 from dataclasses import dataclass
 
 from regen.errors import InputError
-from regen.train.features.contract import (FeatureContractError, FeatureSpec, check_header, check_values, read_header,
-                                           value_breach, value_summary)
+from regen.train.features.contract import (
+    FeatureContractError,
+    FeatureSpec,
+    check_header,
+    check_values,
+    read_header,
+    value_breach,
+    value_summary,
+)
 from regen.train.features.dispatcher import post
 
 log = logging.getLogger(__name__)

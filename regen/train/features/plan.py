@@ -118,8 +118,13 @@ def host_plan(t, cfg, W: int, producers: bool) -> dict:
     sizes them), its formulas, and whether a GB200 tray's host memory holds its ranks (`tray_host_check`)."""
     from regen.errors import InputError
     from regen.train.features.pool import sizes_for
-    from regen.train.memory import (HOST_COUNTED_SHARE, host_memory_bytes, host_slots, largest_object_bytes,
-                                    tray_host_check)
+    from regen.train.memory import (
+        HOST_COUNTED_SHARE,
+        host_memory_bytes,
+        host_slots,
+        largest_object_bytes,
+        tray_host_check,
+    )
 
     if not producers:
         return {"host_memory_per_gpu_gib": {"total": 0.0}, "host_memory_formulas": {"total": "in process: none"}}

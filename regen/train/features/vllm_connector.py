@@ -46,7 +46,11 @@ from typing import Any
 import torch
 from vllm.config import VllmConfig, get_layers_from_vllm_config
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, SupportsHMA)
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
 
 log = logging.getLogger("vllm.regen_connector")  # under vLLM's logger, so its handlers print it
 

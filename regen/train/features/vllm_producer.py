@@ -47,7 +47,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from regen.errors import InputError
-from regen.train.features.producer import Producer, add_arguments as add_base_arguments
+from regen.train.features.producer import Producer
+from regen.train.features.producer import add_arguments as add_base_arguments
 
 log = logging.getLogger("regen.train.features.vllm_producer")
 REPO_ROOT = Path(__file__).resolve().parents[3]
