@@ -163,11 +163,6 @@ def fields(model: type[BaseModel], prefix: str = ""):
         yield from fields(sub, f"{key}[]." if is_list else f"{key}.")
 
 
-def profile_keys() -> set[str]:
-    """Every dotted profile key (`generate.timeouts.connect`, `select.sources[].path`, sections included)."""
-    return {key for key, *_ in fields(Profile)}
-
-
 def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 

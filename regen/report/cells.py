@@ -9,7 +9,6 @@ rates are per category and turn; the factors then only split the pilot's figures
 from __future__ import annotations
 
 import json
-from collections import defaultdict
 
 
 def out_tokens(a: dict, category: str) -> float:
@@ -20,17 +19,6 @@ def out_tokens(a: dict, category: str) -> float:
 def mode_factor(a: dict, mode: str | None) -> float:
     """The assumed output-token factor of `mode` (`plan.mode_output_factor`, 1.0 when absent)."""
     return float((a.get("mode_output_factor") or {}).get(mode, 1.0)) if mode is not None else 1.0
-
-
-def category_factors(prompts: list[dict], a: dict) -> dict[str, float]:
-    """Per category: the unit-weighted mean mode factor of its prompts (1.0 without modes)."""
-    units: dict[str, float] = defaultdict(float)
-    weighted: dict[str, float] = defaultdict(float)
-    for p in prompts:
-        n = len(p["positions"])
-        units[p["category"]] += n
-        weighted[p["category"]] += n * mode_factor(a, p.get("mode"))
-    return {c: weighted[c] / units[c] if units[c] else 1.0 for c in units}
 
 
 def set_template_kwargs(prompts: list[dict], generate_cfg, render_cfg, renderer_name: str) -> None:

@@ -161,7 +161,10 @@ def stage_counts(run_root: str | Path) -> dict:
                 "acc_len_regen_replay": ((m.get("regen") or {}).get("engine_budget_rule") or {}).get("acc_len"),
                 "tokens_per_s_target_alone": sp.get("tokens_per_s_target_alone"),
                 "tokens_per_s_with_draft": sp.get("tokens_per_s_with_draft"), "speedup": sp.get("speedup"),
-                "answers_identical": f"{ll.get('identical')}/{ll.get('num_prompts')}"}
+                "answers_identical": f"{ll.get('identical')}/{ll.get('num_prompts')}",
+                "answers_differing_unexplained": ll.get("differing_unexplained")}
+            if ll.get("warning"):
+                out[f"serve ({m.get('engine')} {qtype})"]["warning"] = ll["warning"]
     return out
 
 

@@ -85,28 +85,50 @@ def summarize(rounds: list[Round], block_size: int) -> dict:
             "accepted_draft_tokens": sum(r.accepted for r in rounds), "accept_rate": rates}
 
 
-def replay_rounds(propose, sequence: list[int], target_argmax: list[int], prompt_len: int, *,
-                  max_new_tokens: int, block_size: int, stop_ids) -> list[Round]:
-    """Rounds of speculative greedy decoding replayed against the target's greedy `sequence`.
+def replay_rounds(propose, sequence: list[int] | None, target_argmax: list[int], prompt_len: int, *,
+                  block_size: int, stop_ids, max_new_tokens: int | None = None,
+                  n_predict: int | None = None) -> list[Round]:
+    """Rounds of speculative greedy decoding replayed against the target's greedy continuation: regen eval's
+    protocol, or an engine's budget rule.
 
-    propose(anchor_pos) -> K draft tokens (features of positions < anchor_pos, anchor = sequence[anchor_pos]).
-    target_argmax[i]: the target's argmax after position i of `sequence` (so target_argmax[i] = sequence[i+1]
-    where generated). The loop ends at a stop, after `max_new_tokens` generated tokens, or when the known
-    continuation is too short to verify a full round.
+    propose(anchor_pos) -> the K draft tokens at that anchor (features of positions < anchor_pos), or None where
+    no draft is known (the replay ends). target_argmax[i]: the target's argmax after position i (so
+    target_argmax[i] = sequence[i+1] where generated). `sequence`, when given: a prefill token that is a stop
+    means no rounds.
+
+    The budget, one of:
+    - `max_new_tokens` (regen eval): every round drafts K tokens while fewer than `max_new_tokens` are generated;
+    - `n_predict` (llama.cpp's rule, `common/speculative.cpp`): a round at g generated tokens (the prefill token
+      counts) drafts min(K, n_predict - g - 1) tokens; none left ends the drafting.
+    Either way the replay ends at a stop, or where the known continuation is too short to verify the round.
     """
-    stop = set(stop_ids)
+    if (max_new_tokens is None) == (n_predict is None):
+        raise ValueError("replay_rounds: give exactly one of max_new_tokens (regen eval) and n_predict (llama.cpp)")
+    stop = set(int(s) for s in stop_ids)
     rounds: list[Round] = []
     pos = prompt_len  # the prefill token: committed, not counted
-    if pos >= len(sequence) or sequence[pos] in stop:
+    if sequence is not None and (pos >= len(sequence) or sequence[pos] in stop):
         return rounds
-    while pos - prompt_len < max_new_tokens:
-        window = target_argmax[pos: pos + block_size + 1]
+    while True:
+        generated = pos - prompt_len  # after the prefill token
+        if n_predict is None:
+            if generated >= max_new_tokens:
+                break
+            k = block_size
+        else:
+            k = min(block_size, n_predict - (generated + 1) - 1)
+            if k <= 0:
+                break
+        window = target_argmax[pos: pos + k + 1]
         end = next((i + 1 for i, t in enumerate(window) if t in stop), None)
         if end is not None:
             window = window[:end]
-        elif len(window) < block_size + 1:
-            break  # not enough known continuation to verify a full block
-        r = score_round(propose(pos), window, stop)
+        elif len(window) < k + 1:
+            break  # not enough known continuation to verify the round
+        drafts = propose(pos)
+        if drafts is None:
+            break
+        r = score_round(list(drafts)[:k], window, stop)
         rounds.append(r)
         pos += r.tau
         if r.stopped:

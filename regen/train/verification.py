@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from regen.train.sampling import Verdict, draw, residual_distribution, verify_sampled
+from regen.train.sampling import Verdict, draw, verify_sampled
 
 DRAFT_SAMPLE_METHODS = ("probabilistic", "greedy")
 REJECTION_SAMPLE_METHODS = ("standard", "block")
@@ -123,8 +123,3 @@ def verifier(rejection_sample_method: str):
     """The verify function of a rejection_sample_method: `verify_sampled` ("standard") or `verify_block`."""
     return {"standard": verify_sampled, "block": verify_block}[rejection_sample_method]
 
-
-def residual_token_level(p_V: torch.Tensor, q_V: torch.Tensor) -> torch.Tensor:
-    """norm(max(0, p − q)): the token-level bonus distribution (`regen.train.sampling.residual_distribution`),
-    re-exported beside the block rule for the tests that compare them."""
-    return residual_distribution(p_V, q_V)

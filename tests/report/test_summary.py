@@ -76,3 +76,20 @@ def test_report_and_run_summary_print_tables_not_dicts(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "finish_reason of 9 answers: stop 77.8% (7), length 22.2% (2)" in out
     assert "failures_by_class: empty_content" in out and "{'empty_content'" not in out
+
+
+def test_an_unexplained_lossless_difference_is_a_warning_in_the_run_summary(tmp_path):
+    """engine-eval.json's lossless check (regen.serve.engines.spec_eval.lossless) on a run: a difference beyond a
+    near-tie reaches the run's stage counts (the summary `regen run` prints and the report's table) as a warning."""
+    import json
+
+    from regen.report.summary import stage_counts, stage_table
+    from regen.serve.engines.spec_eval import lossless
+
+    ref = [{"prompt_id": "p", "tokens": [5, 6, 7], "top": [[(5, -0.1), (8, -2.0)], [(6, -0.1), (4, -2.5)], []]}]
+    ll = lossless(ref, [{"prompt_id": "p", "tokens": [5, 0], "stop_type": "eos"}])
+    res = {"engine": "llama.cpp", "by_gguf_type": {"q8_0": {"engine": {"acc_len": 2.0}, "speed": {}, "lossless": ll}}}
+    (tmp_path / "engine-eval.json").write_text(json.dumps(res))
+    serve = stage_counts(tmp_path)["serve (llama.cpp q8_0)"]
+    assert serve["answers_differing_unexplained"] == 1 and "p at token 1: stop_not_chosen" in serve["warning"]
+    assert any(m == "warning" and "stop_not_chosen" in str(v) for _, m, v in stage_table({"s": serve})[1])

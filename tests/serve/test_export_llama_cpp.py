@@ -12,8 +12,9 @@ from regen.errors import InputError
 from regen.serve.engines import export_draft
 from regen.serve.engines import llama_cpp as gg
 from regen.serve.engines.draft import EngineRefused
-from regen.serve.engines.spec_eval import lossless, replay_engine_rounds
+from regen.serve.engines.spec_eval import lossless
 from regen.target.llama_cpp import version as xllamacpp_version
+from regen.train.eval import replay_rounds
 
 
 @pytest.fixture(scope="module")
@@ -85,17 +86,24 @@ def test_a_target_gguf_of_another_model_and_a_diverged_draft_are_refused(smol_st
     assert not (tmp_path / "y").exists()
 
 
+def _from(table):
+    """propose(anchor) from a table of blocks per anchor (prompt length 0), None past its end."""
+    return lambda pos: table[pos] if pos < len(table) else None
+
+
 def test_the_engine_budget_rule_matches_llama_cpps_count():
     """A draft that is never right: llama.cpp drafted 77 tokens in 14 rounds for 16 generated tokens (measured on
     xllamacpp 2026.10.11549); the rule replays exactly that."""
     argmax = list(range(100, 200))
     table = [[0] * 7 for _ in range(100)]
-    rounds = replay_engine_rounds(table, argmax, 0, n_predict=16, block_size=7, stop_ids=[])
+    rounds = replay_rounds(_from(table), None, argmax, 0, n_predict=16, block_size=7, stop_ids=[])
     assert len(rounds) == 14 and sum(r.proposed for r in rounds) == 77
     assert all(r.accepted == 0 and r.tau == 1 for r in rounds)
     perfect = [[argmax[a + k] for k in range(7)] for a in range(90)]  # the draft proposes the target's tokens
-    rounds = replay_engine_rounds(perfect, argmax, 0, n_predict=16, block_size=7, stop_ids=[])
+    rounds = replay_rounds(_from(perfect), None, argmax, 0, n_predict=16, block_size=7, stop_ids=[])
     assert [r.accepted for r in rounds] == [7, 6] and sum(r.tau for r in rounds) == 15  # + the prefill token = 16
+    with pytest.raises(ValueError, match="exactly one of"):
+        replay_rounds(_from(table), None, argmax, 0, n_predict=16, max_new_tokens=16, block_size=7, stop_ids=[])
 
 
 def test_lossless_names_the_first_difference_and_its_near_tie():
@@ -107,8 +115,26 @@ def test_lossless_names_the_first_difference_and_its_near_tie():
     a, b = out["first_differences"]
     assert a["position"] == 1 and a["near_tie"] and abs(a["logprob_gap"] - 0.02) < 1e-9
     assert b["position"] == 1 and not b["near_tie"]  # a 2.4-nat gap is no tie: a bug in the export or the engine
-    assert out["differing_unexplained"] == 1
+    assert out["differing_unexplained"] == 1 and a["kind"] == "near_tie" and b["kind"] == "second_choice"
+    assert out["warning"].startswith("1 of 2 answers differ") and "b at token 1: second_choice" in out["warning"]
     assert lossless(ref[:1], [{"prompt_id": "a", "tokens": [1, 2, 3]}])["identical"] == 1
+    assert lossless(ref[:1], [{"prompt_id": "a", "tokens": [1, 2, 3]}])["warning"] is None
+
+
+@pytest.mark.parametrize("with_draft,stop_type,kind", [
+    ([5, 4], None, "second_choice"),  # the target's second choice at a 2.4-nat gap: more than arithmetic flips
+    ([5, 0], "eos", "stop_not_chosen"),  # ends on a stop token (0) the target did not choose there
+    ([5, 3, 9], None, "other"),  # a token outside the target's top two
+    ([5], "limit", "length"),  # the other answer's prefix
+])
+def test_each_difference_is_named_by_its_kind(with_draft, stop_type, kind):
+    from regen.serve.engines.spec_eval import DIFFERENCE_KINDS
+
+    ref = [{"prompt_id": "p", "tokens": [5, 6, 7], "top": [[(5, -0.1), (8, -2.0)], [(6, -0.1), (4, -2.5)], []]}]
+    out = lossless(ref, [{"prompt_id": "p", "tokens": with_draft, "stop_type": stop_type}])
+    (d,) = out["first_differences"]
+    assert d["kind"] == kind and d["kind_means"] == DIFFERENCE_KINDS[kind] and out["kinds"][kind] == 1
+    assert out["differing_unexplained"] == 1 and f"p at token {d['position']}: {kind}" in out["warning"]
 
 
 @pytest.mark.integration

@@ -15,7 +15,7 @@ Reported (`<run>/engine-eval.json`):
   first differing position and the target's own top-2 log-probability gap there (a near-tie flipped by batched
   verification's floating point when the gap is below NEAR_TIE_NATS);
 - regen's side (`--no-regen` skips it): the trainer's fp32 target and draft (regen.train.eval) give acc_len under
-  regen eval's protocol and under the engine's budget rule (`replay_engine_rounds`: a round drafts
+  regen eval's protocol and under the engine's budget rule (`replay_rounds(..., n_predict=)`: a round drafts
   min(block_size, n_predict - generated - 1) tokens, the last token is decoded without a draft), and the share of
   the engine's answer equal to the trainer target's greedy continuation. Differences have three sources, each
   reported: the budget rule (the two regen figures), the engine's weights (q8_0 against f32) and the engine's
@@ -31,34 +31,6 @@ from pathlib import Path
 
 NEAR_TIE_NATS = 0.05  # a top-2 log-probability gap below this is a near-tie batched arithmetic may flip
 AGREEMENT_TOLERANCE = 0.05  # |engine acc_len - regen acc_len (engine budget)| on the f32 target, stated in the docs
-
-
-def replay_engine_rounds(table: list[list[int]], argmax: list[int], prompt_len: int, *, n_predict: int,
-                         block_size: int, stop_ids):
-    """regen's rounds under llama.cpp's budget rule. table[a - prompt_len]: the draft's block at anchor a;
-    argmax[i]: the target's argmax after position i. A round at `g` generated tokens (the prefill token counts)
-    drafts min(block_size, n_predict - g - 1) tokens; none left ends the drafting. Returns [Round]."""
-    from regen.train.eval import score_round
-
-    stop = set(int(s) for s in stop_ids)
-    rounds, pos, g = [], prompt_len, 1
-    while g < n_predict:
-        k = min(block_size, n_predict - g - 1)
-        if k <= 0 or pos - prompt_len >= len(table):
-            break
-        window = argmax[pos: pos + k + 1]
-        end = next((i + 1 for i, t in enumerate(window) if t in stop), None)
-        if end is not None:
-            window = window[:end]
-        elif len(window) < k + 1:
-            break  # the known continuation ends (regen's reference stops at a near-tie)
-        r = score_round(table[pos - prompt_len][:k], window, stop)
-        rounds.append(r)
-        pos += r.tau
-        g += r.tau
-        if r.stopped:
-            break
-    return rounds
 
 
 def _acc(accepted: float, rounds: float) -> float | None:
@@ -164,9 +136,43 @@ def format_engine_cells(res: dict, gguf_type: str) -> str:
                      + ["| " + " | ".join(cell(x) for x in r) + " |" for r in rows])
 
 
+# What a first difference between the answers with and without the draft is, by what the target's top two and
+# the request's end say (`difference_kind`); only a near-tie is explained (greedy verification is lossless, so any
+# other kind is a bug in the draft's export or in the engine until shown otherwise).
+DIFFERENCE_KINDS = {
+    "near_tie": f"the target's top two within {NEAR_TIE_NATS} nats and the other one taken: batched verification's "
+                "floating point may flip it",
+    "second_choice": "the target's second choice taken at a gap of NEAR_TIE_NATS or more: more than arithmetic "
+                     "flips; the engine's weights (q8_0) or its verification",
+    "stop_not_chosen": "the answer with the draft ends on an end-of-generation token the target did not choose "
+                       "there: a stop proposed by the draft emitted without verification",
+    "length": "one answer is the other's prefix: they end at different lengths (budget, context or a stop string)",
+    "other": "a token outside the target's top two: the draft's tokens emitted without the target's check",
+}
+
+
+def difference_kind(without: list[int], with_draft: list[int], i: int, top: list, gap: float | None,
+                    stop_type: str | None) -> str:
+    """The kind (`DIFFERENCE_KINDS`) of the first difference at position `i` of two answers' token ids; `top`: the
+    target's top (token, log-probability) pairs at `i` from the run without the draft; `stop_type`: llama.cpp's
+    `stop_type` of the request with the draft ("eos", "limit", "word")."""
+    if i >= len(without) or i >= len(with_draft):
+        return "length"
+    choices = [t for t, _ in top[:2]]
+    if gap is not None and gap < NEAR_TIE_NATS and with_draft[i] in choices:
+        return "near_tie"
+    if i == len(with_draft) - 1 and stop_type == "eos":
+        return "stop_not_chosen"
+    if len(choices) == 2 and with_draft[i] == choices[1]:
+        return "second_choice"
+    return "other"
+
+
 def lossless(reference: list[dict], with_draft: list[dict]) -> dict:
-    """Token-for-token comparison of the answers with and without the draft; the first difference of each
-    differing prompt with the target's top-2 log-probability gap there (from the reference run)."""
+    """Token-for-token comparison of the answers with and without the draft: the first difference of each
+    differing prompt, the target's top-2 log-probability gap there (from the reference run) and its kind
+    (`difference_kind`). Every difference but a near-tie is unexplained and `warning` names them (None when
+    there are none)."""
     same, diffs = 0, []
     for ref, spec in zip(reference, with_draft):
         a, b = ref["tokens"], spec["tokens"]
@@ -176,14 +182,20 @@ def lossless(reference: list[dict], with_draft: list[dict]) -> dict:
         i = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         top = ref["top"][i] if i < len(ref["top"]) else []
         gap = (top[0][1] - top[1][1]) if len(top) >= 2 else None
+        kind = difference_kind(a, b, i, top, gap, spec.get("stop_type"))
         diffs.append({"prompt_id": ref["prompt_id"], "position": i, "without_draft": a[i] if i < len(a) else None,
                       "with_draft": b[i] if i < len(b) else None, "top2": top[:2], "logprob_gap": gap,
-                      "near_tie": gap is not None and gap < NEAR_TIE_NATS
-                      and i < len(b) and b[i] in [t for t, _ in top[:2]]})
+                      "near_tie": kind == "near_tie", "kind": kind, "kind_means": DIFFERENCE_KINDS[kind]})
+    kinds = {k: sum(1 for d in diffs if d["kind"] == k) for k in DIFFERENCE_KINDS}
+    unexplained = [d for d in diffs if d["kind"] != "near_tie"]
+    warning = None
+    if unexplained:
+        warning = (f"{len(unexplained)} of {len(reference)} answers differ from the target alone beyond a near-tie ("
+                   + ", ".join(f"{d['prompt_id']} at token {d['position']}: {d['kind']}" for d in unexplained)
+                   + "): greedy verification is lossless, so check the draft's export and the engine")
     return {"num_prompts": len(reference), "identical": same, "differing": len(diffs),
-            "differing_near_tie": sum(1 for d in diffs if d["near_tie"]),
-            "differing_unexplained": sum(1 for d in diffs if not d["near_tie"]), "first_differences": diffs,
-            "near_tie_nats": NEAR_TIE_NATS}
+            "differing_near_tie": kinds["near_tie"], "differing_unexplained": len(unexplained), "kinds": kinds,
+            "first_differences": diffs, "near_tie_nats": NEAR_TIE_NATS, "warning": warning}
 
 
 def speed(reference: list[dict], with_draft: list[dict]) -> dict:
@@ -227,7 +239,8 @@ def regen_side(train_cfg, prompts: list[dict], ddir: Path, max_new_tokens: int, 
             table = proposal_table(draft, taps, seq, P)
             std = replay_rounds(lambda pos, t=table: t[pos - P], seq, argmax, P, max_new_tokens=max_new_tokens,
                                 block_size=K, stop_ids=stop)
-            eng = replay_engine_rounds(table, argmax, P, n_predict=max_new_tokens, block_size=K, stop_ids=stop)
+            eng = replay_rounds(lambda pos, t=table: t[pos - P] if pos - P < len(t) else None, None, argmax, P,
+                                n_predict=max_new_tokens, block_size=K, stop_ids=stop)
             standard += std
             engine_rule += eng
             per_prompt["protocol"].append((p, std))
@@ -354,6 +367,8 @@ def headline(res: dict) -> str:
         lines[-1] += (f"over {int(e['num_rounds'])} rounds; {sp['tokens_per_s_with_draft']:.1f} tok/s with the draft "
                       f"vs {sp['tokens_per_s_target_alone']:.1f} alone ({sp['speedup']:.2f}x); identical answers "
                       f"{ll['identical']}/{ll['num_prompts']} ({ll['differing_near_tie']} near-ties)")
+        if ll.get("warning"):
+            lines.append(f"warning: llama.cpp {qtype}: {ll['warning']}")
     return "\n".join(lines)
 
 
