@@ -142,7 +142,7 @@ def format_engine_cells(res: dict, gguf_type: str) -> str:
 DIFFERENCE_KINDS = {
     "near_tie": f"the target's top two within {NEAR_TIE_NATS} nats and the other one taken: batched verification's "
                 "floating point may flip it",
-    "second_choice": "the target's second choice taken at a gap of NEAR_TIE_NATS or more: more than arithmetic "
+    "second_choice": f"the target's second choice taken at a gap of {NEAR_TIE_NATS} nats or more: more than arithmetic "
                      "flips; the engine's weights (q8_0) or its verification",
     "stop_not_chosen": "the answer with the draft ends on an end-of-generation token the target did not choose "
                        "there: a stop proposed by the draft emitted without verification",
