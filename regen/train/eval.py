@@ -297,6 +297,33 @@ def sampled_rounds(propose, session, prompt_ids: list[int], *, max_new_tokens: i
     return rounds, seq
 
 
+def evaluation_loop(drafts: dict, prompts: list[dict], rounds_of, *, block_size: int,
+                    progress: str | None = None) -> dict:
+    """The one loop of greedy (`evaluate`) and sampled (`evaluate_sampled`) verification.
+
+    rounds_of(prompt) -> ({draft name: list[Round]}, note): every draft's rounds on one prompt (`note` is appended
+    to the progress line). Returns {name: {acc_len, num_rounds, accept_rate, per_category: {cat: figures},
+    breakdown: per category x length band x mode (`regen.train.eval_cells`), acc_len_per_request}}.
+    """
+    by_category = {name: {} for name in drafts}
+    requests = {name: [] for name in drafts}  # (prompt, its rounds): the per-cell breakdown
+    for n, p in enumerate(prompts):
+        rounds, note = rounds_of(p)
+        for name in drafts:
+            by_category[name].setdefault(p["category"], []).extend(rounds[name])
+            requests[name].append((p, rounds[name]))
+        if progress:
+            print(f"{progress}: prompt {n + 1}/{len(prompts)}{note}", flush=True)
+    result = {}
+    for name, by_cat in by_category.items():
+        every = [r for rs in by_cat.values() for r in rs]
+        result[name] = summarize(every, block_size)
+        result[name]["per_category"] = {c: summarize(rs, block_size) for c, rs in sorted(by_cat.items())}
+        result[name]["breakdown"] = breakdown(requests[name], block_size)
+        result[name]["acc_len_per_request"] = result[name]["breakdown"]["overall"]["acc_len_per_request"]
+    return result
+
+
 def evaluate_sampled(target, drafts: dict, prompts: list[dict], *, max_new_tokens: int, stop_ids,
                      temperature: float, top_p: float = 1.0, seed: int = 0, confidence_threshold: float = 0.0,
                      progress: bool = False, draft_sample_method: str = "probabilistic",
@@ -315,9 +342,8 @@ def evaluate_sampled(target, drafts: dict, prompts: list[dict], *, max_new_token
     verify = verifier(rejection_sample_method)
     draft_t = temperature if draft_sample_method == "probabilistic" else 0.0  # greedy drafting: q one-hot
 
-    rounds = {name: {} for name in drafts}
-    requests = {name: [] for name in drafts}  # (prompt, its rounds): the per-cell breakdown (eval_cells)
-    for n, p in enumerate(prompts):
+    def rounds_of(p):
+        out = {}
         for name, draft in drafts.items():
             gen = torch.Generator(device=target.device)
             key = hashlib.blake2b(f"{seed}:{p['prompt_id']}:eval-sampling".encode(), digest_size=8).digest()
@@ -331,52 +357,34 @@ def evaluate_sampled(target, drafts: dict, prompts: list[dict], *, max_new_token
                 cut = next((k for k, c in enumerate(conf.tolist()) if c < confidence_threshold), len(toks))
                 return toks[:cut].tolist(), q[:cut].to(target.device)
 
-            r, seq = sampled_rounds(propose, session, p["prompt_ids"], max_new_tokens=max_new_tokens,
-                                    temperature=temperature, top_p=top_p, stop_ids=stop_ids, generator=gen,
-                                    verify=verify)
-            rounds[name].setdefault(p["category"], []).extend(r)
-            requests[name].append((p, r))
-        if progress:
-            print(f"eval T={temperature:g}: prompt {n + 1}/{len(prompts)}", flush=True)
-    return _summaries(rounds, max(1, next(iter(drafts.values())).config.block_size), requests)
+            out[name], _ = sampled_rounds(propose, session, p["prompt_ids"], max_new_tokens=max_new_tokens,
+                                          temperature=temperature, top_p=top_p, stop_ids=stop_ids, generator=gen,
+                                          verify=verify)
+        return out, ""
 
-
-def _summaries(rounds: dict, block_size: int, requests: dict | None = None) -> dict:
-    result = {}
-    for name, by_cat in rounds.items():
-        every = [r for rs in by_cat.values() for r in rs]
-        result[name] = summarize(every, block_size)
-        result[name]["per_category"] = {c: summarize(rs, block_size) for c, rs in sorted(by_cat.items())}
-        if requests is not None:  # per category x length band x mode, both averages (regen.train.eval_cells)
-            result[name]["breakdown"] = breakdown(requests[name], block_size)
-            result[name]["acc_len_per_request"] = result[name]["breakdown"]["overall"]["acc_len_per_request"]
-    return result
+    block_size = max(1, next(iter(drafts.values())).config.block_size)
+    return evaluation_loop(drafts, prompts, rounds_of, block_size=block_size,
+                           progress=f"eval T={temperature:g}" if progress else None)
 
 
 def evaluate(target, drafts: dict, prompts: list[dict], *, max_new_tokens: int, stop_ids, block_size: int,
              confidence_threshold: float = 0.0, progress: bool = False) -> dict:
-    """acc_len of each draft in `drafts` ({name: DSparkDraft}) over `prompts` (see `heldout_prompts`).
+    """acc_len of each draft in `drafts` ({name: DSparkDraft}) over `prompts` (see `heldout_prompts`) under greedy
+    verification: one target pass per prompt (`greedy_reference`), each draft's rounds replayed against it.
 
-    Returns {name: {acc_len, num_rounds, accept_rate, per_category: {cat: {acc_len, num_rounds, ...}}}}.
+    Returns `evaluation_loop`'s figures: {name: {acc_len, num_rounds, accept_rate, per_category, breakdown, ...}}.
     """
-    rounds = {name: {} for name in drafts}
-    requests = {name: [] for name in drafts}
-    for n, p in enumerate(prompts):
+    def rounds_of(p):
         seq, argmax, taps = greedy_reference(target, p["prompt_ids"], max_new_tokens + block_size + 1, stop_ids)
         P = len(p["prompt_ids"])
+        out = {}
         for name, draft in drafts.items():
             table = proposal_table(draft, taps, seq, P, confidence_threshold=confidence_threshold)
+            out[name] = replay_rounds(lambda pos, table=table: table[pos - P], seq, argmax, P,
+                                      max_new_tokens=max_new_tokens, block_size=block_size, stop_ids=stop_ids)
+        return out, f" ({len(seq) - P} tokens)"
 
-            def propose(pos, table=table, P=P):
-                return table[pos - P]
-
-            r = replay_rounds(propose, seq, argmax, P, max_new_tokens=max_new_tokens, block_size=block_size,
-                              stop_ids=stop_ids)
-            rounds[name].setdefault(p["category"], []).extend(r)
-            requests[name].append((p, r))
-        if progress:
-            print(f"eval: prompt {n + 1}/{len(prompts)} ({len(seq) - len(p['prompt_ids'])} tokens)", flush=True)
-    return _summaries(rounds, block_size, requests)
+    return evaluation_loop(drafts, prompts, rounds_of, block_size=block_size, progress="eval" if progress else None)
 
 
 def served_protocols(target, drafts: dict, prompts: list[dict], methods, sampled: dict, **kw) -> dict:
