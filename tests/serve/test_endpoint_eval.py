@@ -247,6 +247,52 @@ def test_the_heldout_cells_of_a_run_are_measured_and_aimable(two_servers, tmp_pa
     assert res["draft"] == f"llama.cpp at {with_draft}"
 
 
+def test_the_next_selection_is_aimed_from_the_served_engines_cells(two_servers, tmp_path, capsys):
+    """The loop on the engine's word, end to end through the commands a user runs: `regen select`, the selection's
+    held-out prompts measured through the served endpoint (`regen engine-eval --endpoint`), then `regen select
+    --eval <run>/engine-eval-endpoint.json --budget-units N`. The round's reasoning carries the engine's per-cell
+    acc_len, and its prompts are new, not held out, and within the budget."""
+    import json
+
+    import pyarrow.parquet as pq
+    from train_helpers import ShardWriter
+
+    from regen.cli import main
+    from regen.select.aim import is_heldout
+    from schemas.prompt import turn_positions
+
+    with_draft, _, _ = two_servers
+    root = tmp_path / "run"
+    common = ["--profile", "local", "--run", str(root), "--set", "select.total=40"]
+    assert main(["select", *common, "--no-progress"]) == 0
+    selected = [r for f in sorted((root / "prompts").glob("part-*.parquet")) for r in pq.read_table(f).to_pylist()]
+    # a training row for every selected prompt (what render writes): the held-out split is drawn from the shards
+    ShardWriter(root).add([{"sample_id": f"s{i}", "prompt_id": r["prompt_id"], "turn": 0, "category": r["category"],
+                            "language": r["language"], "input_ids": list(range(1, 13)),
+                            "loss_spans": [{"start": 6, "end": 12}], "num_tokens": 12, "num_loss_tokens": 6}
+                           for i, r in enumerate(selected)], complete=True)
+    assert main(["engine-eval", *common, "--endpoint", with_draft, "--num-prompts", "6", "--max-new-tokens", "8"]) == 0
+    measured = json.loads((root / "engine-eval-endpoint.json").read_text())
+    engine_cells = {(c["category"], c["length_band"], c["mode"]): c["acc_len_per_round"]
+                    for c in measured["trained"]["breakdown"]["cells"] if c["acc_len_per_round"] is not None}
+    assert engine_cells, measured["trained"]
+
+    assert main(["select", *common, "--eval", str(root / "engine-eval-endpoint.json"), "--budget-units", "12"]) == 0
+    assert "loop round 1 (weakest):" in capsys.readouterr().out
+    record = json.loads((root / "loop" / "round-01.json").read_text())
+    assert record["eval"] == str(root / "engine-eval-endpoint.json")
+    reasoning = {(c["category"], c["length_band"], c["mode"]): c["acc_len"] for c in record["cells"]}
+    assert any(cell in reasoning for cell in engine_cells), (reasoning, engine_cells)
+    for cell, acc in reasoning.items():  # every measured cell the pool supplies is weighed at the engine's figure
+        if cell in engine_cells:
+            assert acc == engine_cells[cell], (cell, acc, engine_cells[cell])
+    assert record["prompts_added"] > 0, record
+    added = pq.read_table(root / "prompts" / record["part"]).to_pylist()
+    used = {r["prompt_id"] for r in selected}
+    assert all(r["prompt_id"] not in used and not is_heldout(r["prompt_id"], 0.15) for r in added)
+    assert sum(len(turn_positions(r["messages"])) for r in added) == record["units_added"] <= 12
+
+
 def test_a_llama_cpp_server_of_its_own_measured_through_the_endpoint(two_servers):
     from regen.config import load_profile
     from regen.serve.engines.endpoint_eval import format_endpoint, measure
