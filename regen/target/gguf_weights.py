@@ -39,7 +39,7 @@ def write_gguf(src: Path, dst: Path, qtype: str) -> Path:
     if qtype not in GGUF_TYPES:
         raise ValueError(f"gguf type {qtype!r}: choose one of {GGUF_TYPES}")
     reader = gguf.GGUFReader(str(src))
-    tmp = dst.with_name(dst.name + ".tmp")
+    tmp = dst.with_name(f"{dst.name}.tmp-{os.getpid()}")  # one per writer: two processes may prepare the same file
     writer = gguf.GGUFWriter(str(tmp), arch=reader.fields["general.architecture"].contents())
     for field in reader.fields.values():
         if field.name == "general.architecture" or field.name.startswith("GGUF."):
@@ -79,6 +79,8 @@ def prepare_gguf(model_dir: Path, source: Path, source_sha256: str, qtype: str, 
 
     t0 = time.time()
     write_gguf(source, dst, qtype)
-    stamp.write_text(json.dumps(want, indent=1))
+    tmp = stamp.with_name(f"{stamp.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(want, indent=1))
+    os.replace(tmp, stamp)
     log(f"prepare_model: wrote {dst} ({dst.stat().st_size / 1e6:.0f} MB, {qtype}) in {time.time() - t0:.0f}s")
     return dst
