@@ -93,7 +93,7 @@ def test_the_reader_keeps_depth_objects_ahead_across_steps_in_depth_plus_one_hos
     computing (so the store's budget is not held by objects read early), and reads the next step's first objects
     while the last ones of this step compute; the host slots are depth (CUDA branch, the recorded ops: the next
     object's copy issued once it is staged, its slot reused after it) or depth + 1 (CPU: the slot is the object's
-    memory until released) of the largest object, equal to `host_staging_bytes(read_ahead=depth)` byte for byte;
+    memory until released) of at most the largest object, within `host_staging_bytes(read_ahead=depth)`;
     the features handed over are the objects' bytes; at most 2 objects resident."""
     from test_host_memory import CountingOps
 
@@ -127,10 +127,14 @@ def test_the_reader_keeps_depth_objects_ahead_across_steps_in_depth_plus_one_hos
     want = host_staging_bytes(cfg, tokens=16, grad_accum=4, max_batch=2, feature_bytes=4, read_ahead=depth, gpu=gpu)
     slots = depth if gpu else depth + 1  # GPU: a slot is read into again once its object's device copy is done
     assert want == slots * largest_object_bytes(cfg, tokens=16, max_batch=2, feature_bytes=4)
-    assert len(staging.host) == slots and staging.stats["host_slot_bytes_max"] == want
-    assert sum(store.registered.values()) == want and staging.stats["resident_max"] <= 2
+    # the plan is the bound: never more host bytes than it states; whether every slot regrows to the largest
+    # object depends on which slot is free when the large objects come (the reader's timing against compute)
+    largest = largest_object_bytes(cfg, tokens=16, max_batch=2, feature_bytes=4)
+    assert len(staging.host) == slots and largest <= staging.stats["host_slot_bytes_max"] <= want, staging.stats
+    live = sum(h["buf"].numel() for h in staging.host)  # the slots' bytes now: registered, and pinned on CUDA
+    assert sum(store.registered.values()) == live == staging.stats["host_slot_bytes"] and staging.stats["resident_max"] <= 2
     if ops is not None:
-        assert staging.stats["pinned_bytes"] == sum(ops.pinned_now.values()) == want
+        assert staging.stats["pinned_bytes"] == sum(ops.pinned_now.values()) == live
     assert remote.stats["objects"] == 12 and remote.stats["stall_s"] >= 0
     remote.close()
     assert not store.registered and not remote._thread.is_alive()
