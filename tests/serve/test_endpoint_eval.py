@@ -26,6 +26,9 @@ sys.path.insert(0, str(ROOT / "tests" / "train"))
 
 from test_served_protocol import engine_source  # noqa: E402
 
+# xdist_group: the module fixture is built once, on one test worker (pytest -n, --dist loadgroup)
+pytestmark = pytest.mark.xdist_group("endpoint-eval-servers")
+
 
 def test_every_metric_name_is_in_the_engines_released_code():
     vllm_src = engine_source("vllm", "v1/spec_decode/metrics.py")
@@ -87,6 +90,7 @@ def test_counters_are_summed_over_label_sets_and_attributed_by_difference(engine
     ("vllm", dict(drafts=2, accepted=2, draft_tokens=6, per_pos={0: 1, 1: 1, 2: 0})),  # drafts of 3: 2 and 0 kept
     ("tokenspeed", dict(drafts=4, accepted=10, draft_tokens=28, per_pos={})),  # one step, 4 slots x 7 tokens
     ("sglang", dict(drafts=4, accepted=13 - 4 - 1, draft_tokens=None, per_pos={}))])  # 13 tokens, 4 verify calls
+@pytest.mark.integration  # each engine's code in a subprocess
 def test_the_metrics_text_each_engines_own_code_writes_is_read(engine, want):
     """The engine's own metrics code (vLLM's SpecDecodingProm, TokenSpeed's EngineMetrics, SGLang's
     TokenizerMetricsCollector) after a known workload, in a subprocess (tests/serve/engine_driver.py metrics)."""
@@ -185,6 +189,7 @@ def two_servers(tmp_path_factory, model_dir):
                 proc.kill()
 
 
+@pytest.mark.integration  # two llama.cpp servers (two_servers)
 def test_the_command_line_measures_an_endpoint_and_refuses_bad_flags(two_servers, tmp_path, capsys):
     import json
 
@@ -203,6 +208,7 @@ def test_the_command_line_measures_an_endpoint_and_refuses_bad_flags(two_servers
     assert "choose from" in capsys.readouterr().err
 
 
+@pytest.mark.integration  # two llama.cpp servers (two_servers)
 def test_the_heldout_cells_of_a_run_are_measured_and_aimable(two_servers, tmp_path):
     """A run's held-out prompts (shards + selection), measured per cell through the endpoint; the result carries the
     `trained.breakdown` view `regen select --aim` reads, and regen eval's figures when the run has an eval.json."""
@@ -247,6 +253,7 @@ def test_the_heldout_cells_of_a_run_are_measured_and_aimable(two_servers, tmp_pa
     assert res["draft"] == f"llama.cpp at {with_draft}"
 
 
+@pytest.mark.integration  # two llama.cpp servers (two_servers)
 def test_the_next_selection_is_aimed_from_the_served_engines_cells(two_servers, tmp_path, capsys):
     """The loop on the engine's word, end to end through the commands a user runs: `regen select`, the selection's
     held-out prompts measured through the served endpoint (`regen engine-eval --endpoint`), then `regen select
@@ -293,6 +300,7 @@ def test_the_next_selection_is_aimed_from_the_served_engines_cells(two_servers, 
     assert sum(len(turn_positions(r["messages"])) for r in added) == record["units_added"] <= 12
 
 
+@pytest.mark.integration  # two llama.cpp servers (two_servers)
 def test_a_llama_cpp_server_of_its_own_measured_through_the_endpoint(two_servers):
     from regen.config import load_profile
     from regen.serve.engines.endpoint_eval import format_endpoint, measure

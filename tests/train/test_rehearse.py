@@ -6,6 +6,8 @@ import pytest
 
 from regen.config import load_profile
 
+pytestmark = pytest.mark.integration  # the trainer's step under fake tensors and FSDP: about 50 s for the module
+
 SHAPES = {  # two small shapes; the kimi-k3 one is in docs/plan.md (regen rehearse --profile kimi-k3)
     "local": ("local", ["train.grad_accum=3", "train.draft_vocab_size=0"]),
     "k3-small": ("kimi-k3", ["train.max_tokens=1024", "train.grad_accum=3", "train.num_draft_layers=1",
