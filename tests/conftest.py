@@ -44,3 +44,19 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if not any(item.get_closest_marker(name) for name in HEAVY_MARKERS):
             item.add_marker(pytest.mark.quick)
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (`-n N`) each worker gets its share of the cores: torch's intra-op threads, and the
+    OMP_NUM_THREADS its subprocesses inherit, set to cores // workers (at least 1). Two workers each spinning two
+    OpenMP threads on a 2-core machine run slower than one worker alone."""
+    import os
+
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if not workers:
+        return
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    import torch
+
+    torch.set_num_threads(threads)

@@ -21,7 +21,9 @@ from prefect_stack import REPO, kill_tree
 
 from regen.generate import ledger
 
-pytestmark = pytest.mark.slow
+# xdist_group: the session's Prefect stack (tests/flows/conftest.py) is started once, on one test worker (pytest -n,
+# --dist loadgroup)
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("prefect-stack")]
 SECRET = "sk-test-never-in-outputs-0123456789"
 
 
