@@ -48,8 +48,8 @@ def pytest_collection_modifyitems(items):
 
 def pytest_configure(config):
     """Under pytest-xdist (`-n N`) each worker gets its share of the cores: torch's intra-op threads, and the
-    OMP_NUM_THREADS its subprocesses inherit, set to cores // workers (at least 1). Two workers each spinning two
-    OpenMP threads on a 2-core machine run slower than one worker alone."""
+    OMP_NUM_THREADS its subprocesses inherit, set to cores // workers (at least 1), so that the workers' threads
+    together do not outnumber the cores."""
     import os
 
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
