@@ -39,11 +39,25 @@ def pool_dir() -> Path:
 HEAVY_MARKERS = ("slow", "integration")
 
 
+# On test workers (pytest -n N, `--dist loadscope --no-loadscope-reorder` in addopts) each module runs whole on one
+# worker, so its module fixtures are built once, and modules are handed out in collection order: the longest go
+# first (each over 100 s of worker time in the 2026-12-07 run, docs/development.md), so that no worker starts one
+# while the other is nearly done. The rest keep their order.
+LONGEST_FIRST = ("serve/test_spec_roundtrip.py", "serve/test_spec_roundtrip_fc_norm.py", "train/test_producers.py",
+                 "train/test_vllm_producer.py", "e2e/test_local_pipeline.py", "train/test_train_faults.py",
+                 "e2e/test_loop.py", "flows/test_deployments.py")
+
+
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects (the mark plugin's own hook)
 def pytest_collection_modifyitems(items):
+    import os
+
     for item in items:
         if not any(item.get_closest_marker(name) for name in HEAVY_MARKERS):
             item.add_marker(pytest.mark.quick)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+        items.sort(key=lambda it: rank.get(it.nodeid.split("::")[0].removeprefix("tests/"), len(rank)))
 
 
 def pytest_configure(config):

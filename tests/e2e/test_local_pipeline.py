@@ -14,8 +14,7 @@ from e2e_helpers import dump_dom
 from regen.report.summary import MIX_SQL
 from schemas.prompt import CATEGORIES
 
-# xdist_group: the module fixture is built once, on one test worker (pytest -n, --dist loadgroup)
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("e2e-local-run")]
+pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 REGEN = str(Path(sys.executable).with_name("regen"))
 # a small prompt count; training (when the profile enables it) for two steps only

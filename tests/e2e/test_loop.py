@@ -14,8 +14,7 @@ from regen.pipeline import loop_round, run_pipeline
 from regen.rundir import RunDir
 from regen.testing.openai_server import ServerThread, Settings
 
-# xdist_group: the module fixture is built once, on one test worker (pytest -n, --dist loadgroup)
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("e2e-loop")]
+pytestmark = pytest.mark.slow
 
 
 def overrides(url: str) -> dict:

@@ -21,9 +21,7 @@ from prefect_stack import REPO, kill_tree
 
 from regen.generate import ledger
 
-# xdist_group: the session's Prefect stack (tests/flows/conftest.py) is started once, on one test worker (pytest -n,
-# --dist loadgroup)
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("prefect-stack")]
+pytestmark = pytest.mark.slow
 SECRET = "sk-test-never-in-outputs-0123456789"
 
 

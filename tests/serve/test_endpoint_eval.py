@@ -26,9 +26,6 @@ sys.path.insert(0, str(ROOT / "tests" / "train"))
 
 from test_served_protocol import engine_source  # noqa: E402
 
-# xdist_group: the module fixture is built once, on one test worker (pytest -n, --dist loadgroup)
-pytestmark = pytest.mark.xdist_group("endpoint-eval-servers")
-
 
 def test_every_metric_name_is_in_the_engines_released_code():
     vllm_src = engine_source("vllm", "v1/spec_decode/metrics.py")

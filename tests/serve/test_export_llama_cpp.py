@@ -16,9 +16,6 @@ from regen.serve.engines.spec_eval import lossless
 from regen.target.llama_cpp import version as xllamacpp_version
 from regen.train.eval import replay_rounds
 
-# xdist_group: the module fixture is built once, on one test worker (pytest -n, --dist loadgroup)
-pytestmark = pytest.mark.xdist_group("llama-cpp-export")
-
 
 @pytest.fixture(scope="module")
 def smol_step(tmp_path_factory, model_dir):

@@ -16,9 +16,6 @@ from regen.config.serve import ServeConfig
 from regen.errors import InputError
 from regen.target.server import EmbeddedTarget, server_command
 
-# xdist_group: the module fixture is built once, on one test worker (pytest -n, --dist loadgroup)
-pytestmark = pytest.mark.xdist_group("embedded-target-server")
-
 
 def test_host_must_be_loopback():
     with pytest.raises(ValueError, match="loopback"):

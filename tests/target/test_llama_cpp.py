@@ -17,9 +17,6 @@ from regen.generate.stage import check_identity, config_hash
 from regen.target import llama_cpp, server
 from regen.target.server import EmbeddedTarget, engine_identity, resolve_engine, served_generate, server_command
 
-# xdist_group: the module fixture is built once, on one test worker (pytest -n, --dist loadgroup)
-pytestmark = pytest.mark.xdist_group("llama-cpp-server")
-
 LLAMA = ServeConfig(engine="llama.cpp", parallel=4, ctx_per_slot=2048)
 
 
