@@ -20,6 +20,8 @@ import json
 import os
 from pathlib import Path
 
+from schemas.io import write_json_atomic
+
 GGUF_TYPES = ("q8_0", "f16", "f32")
 
 
@@ -79,8 +81,6 @@ def prepare_gguf(model_dir: Path, source: Path, source_sha256: str, qtype: str, 
 
     t0 = time.time()
     write_gguf(source, dst, qtype)
-    tmp = stamp.with_name(f"{stamp.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(want, indent=1))
-    os.replace(tmp, stamp)
+    write_json_atomic(want, stamp)
     log(f"prepare_model: wrote {dst} ({dst.stat().st_size / 1e6:.0f} MB, {qtype}) in {time.time() - t0:.0f}s")
     return dst
