@@ -1,6 +1,7 @@
 """Shared test fixtures. Stage-specific fixtures live in tests/<stage>/conftest.py."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -50,8 +51,6 @@ LONGEST_FIRST = ("serve/test_spec_roundtrip.py", "serve/test_spec_roundtrip_fc_n
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects (the mark plugin's own hook)
 def pytest_collection_modifyitems(items):
-    import os
-
     for item in items:
         if not any(item.get_closest_marker(name) for name in HEAVY_MARKERS):
             item.add_marker(pytest.mark.quick)
@@ -64,8 +63,6 @@ def pytest_configure(config):
     """Under pytest-xdist (`-n N`) each worker gets its share of the cores: torch's intra-op threads, and the
     OMP_NUM_THREADS its subprocesses inherit, set to cores // workers (at least 1), so that the workers' threads
     together do not outnumber the cores."""
-    import os
-
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
     if not workers:
         return

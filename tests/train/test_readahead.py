@@ -126,10 +126,10 @@ def test_the_reader_keeps_depth_objects_ahead_across_steps_in_depth_plus_one_hos
     gpu = ops is not None
     want = host_staging_bytes(cfg, tokens=16, grad_accum=4, max_batch=2, feature_bytes=4, read_ahead=depth, gpu=gpu)
     slots = depth if gpu else depth + 1  # GPU: a slot is read into again once its object's device copy is done
-    assert want == slots * largest_object_bytes(cfg, tokens=16, max_batch=2, feature_bytes=4)
+    largest = largest_object_bytes(cfg, tokens=16, max_batch=2, feature_bytes=4)
+    assert want == slots * largest
     # the plan is the bound: never more host bytes than it states; whether every slot regrows to the largest
     # object depends on which slot is free when the large objects come (the reader's timing against compute)
-    largest = largest_object_bytes(cfg, tokens=16, max_batch=2, feature_bytes=4)
     assert len(staging.host) == slots and largest <= staging.stats["host_slot_bytes_max"] <= want, staging.stats
     live = sum(h["buf"].numel() for h in staging.host)  # the slots' bytes now: registered, and pinned on CUDA
     assert sum(store.registered.values()) == live == staging.stats["host_slot_bytes"] and staging.stats["resident_max"] <= 2
