@@ -40,6 +40,7 @@ from regen.train.checkpoint import agreed_resume, load_checkpoint, save_checkpoi
 from regen.train.collectives import control_all_reduce_sum
 from regen.train.draft_config import build_draft_config, check_rope_theta
 from regen.train.draft_vocab import draft_vocabulary
+from regen.train.feature_cache import CachedFeatures
 from regen.train.feed import FeedConfig, ShardFeed
 from regen.train.guard import DivergenceMonitor, raise_nonfinite
 from regen.train.heldout import heldout_split
@@ -130,10 +131,12 @@ class FeaturesConfig:
     source: str  # in_process | producers
     target_dtype: str  # auto | float32 | bfloat16
     head_keys: dict  # tensor names of the target head (regen.train.target_head), empty = the architecture's
+    cache_bytes: int  # host bytes of the in-process features kept per row (regen.train.feature_cache), 0 = off
 
     @classmethod
     def from_train(cls, cfg) -> "FeaturesConfig":
-        return cls(source=cfg.features, target_dtype=cfg.target_dtype, head_keys=dict(cfg.target_head_keys))
+        return cls(source=cfg.features, target_dtype=cfg.target_dtype, head_keys=dict(cfg.target_head_keys),
+                   cache_bytes=int(cfg.feature_cache_gib * (1 << 30)))
 
     def build_target(self, target_path: Path, contract: TargetContract, dtype: torch.dtype, device):
         """(the frozen target, the contract it serves): a `TargetFeatures` (the whole model), or a `TargetHead`
@@ -170,7 +173,7 @@ class Trainer:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     pool: object | None  # the FeaturePool (train.features: producers)
-    source: object  # what train_step reads features from: the target, or the pool's features
+    source: object  # what train_step reads features from: the target, its CachedFeatures, or the pool's features
     hooks: TrainHooks
     # -- position and records ---------------------------------------------------------------------------------
     step: int
@@ -315,10 +318,15 @@ class Trainer:
                               self.train_dir / "heldout.json")
 
     def _start_features(self, stop_after_steps: int | None) -> None:
-        """The features' source: the in-process target, or a producer pool started for this run's steps."""
+        """The features' source: the in-process target (its features kept per row with `train.feature_cache_gib`),
+        or a producer pool started for this run's steps."""
         self.source = self.target
         if self.features.source != "producers":
+            if self.features.cache_bytes > 0:
+                self.source = CachedFeatures(self.target, self.features.cache_bytes)
             return
+        if self.features.cache_bytes > 0 and self.info.is_main:
+            log.info("train.feature_cache_gib is for in-process features: not used with features: producers")
         from regen.train.features.pool import FeaturePool
 
         left = self.total_steps - self.step
@@ -455,6 +463,8 @@ class Trainer:
         summary.update(self.hooks.close(summary))
         if self.pool is not None:
             summary["features"] = self._feature_report(totals, cpu_start)
+        if isinstance(self.source, CachedFeatures):
+            summary["feature_cache"] = self.source.stats()
         return summary
 
     def _feature_report(self, totals, cpu_start: float) -> dict:

@@ -85,7 +85,8 @@ def train(root: Path, run: Path, name: str, **train_overrides) -> Path:
     settings = dict(target_layer_ids=list(local.target_layer_ids), mask_token_id=local.mask_token_id,
                     attention_type=local.attention_type, fc_norm=local.fc_norm, markov_rank=local.markov_rank,
                     draft_vocab_size=1024, num_anchors=64, max_len=192, max_tokens=384, max_batch=2, lr=1e-2,
-                    min_lr_frac=0.1, max_steps=ROUNDTRIP_STEPS, log_every=40, dtype="float32", target_dtype="float32")
+                    min_lr_frac=0.1, max_steps=ROUNDTRIP_STEPS, log_every=40, dtype="float32", target_dtype="float32",
+                    feature_cache_gib=local.feature_cache_gib)
     settings.update(train_overrides)
     profile = write_profile(root / f"{name}.yaml", local_target(), **settings)
     cfg = load_profile(str(profile)).train
