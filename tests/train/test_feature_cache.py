@@ -116,3 +116,37 @@ def test_a_run_with_the_cache_equals_one_whose_cache_keeps_nothing_and_is_close_
         torch.testing.assert_close(w_cached[k], w_plain[k], rtol=1e-3, atol=1e-4, msg=k)
     for a, b in zip(cached["history"], plain["history"]):
         assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(b["loss"]), (a, b)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("attention_type,fc_norm", [("mla", False), ("gqa", True)])
+def test_the_features_of_padded_positions_never_reach_the_loss(tmp_path, tiny_target, monkeypatch, attention_type,
+                                                                fc_norm):
+    """The cache pads with zeros where the batched forward computes the padding tokens' states: two runs over rows
+    of different lengths (4 to a micro-batch, so every micro-batch is padded), one with the target's features at
+    padded positions zeroed, end with the same weights bit for bit."""
+    from safetensors.torch import load_file
+    from test_train import train_cfg
+    from train_helpers import ShardWriter, make_rows, write_profile
+
+    features_of = TargetFeatures.features_of
+
+    def run(name: str, zero_padding: bool) -> dict:
+        def patched(self, batch):
+            taps, last = features_of(self, batch)
+            if zero_padding:
+                keep = batch["attention_mask"][..., None]
+                taps, last = taps * keep, last * keep
+            return taps, last
+
+        monkeypatch.setattr(TargetFeatures, "features_of", patched)
+        ShardWriter(tmp_path / name).add(make_rows(12, seed=3), complete=True)
+        profile = write_profile(tmp_path / f"{name}.yaml", tiny_target, max_batch=4, shuffle_buffer=4, bucket_window=4,
+                                attention_type=attention_type, fc_norm=fc_norm, draft_vocab_size=128)
+        s = run_train(train_cfg(profile, max_steps=6), RunDir.at(tmp_path / name))
+        return load_file(s["checkpoint"] + "/model.safetensors")
+
+    padded, zeroed = run("padded", False), run("zeroed", True)
+    assert padded.keys() == zeroed.keys()
+    for k in padded:
+        assert torch.equal(padded[k], zeroed[k]), k
