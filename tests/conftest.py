@@ -45,8 +45,8 @@ HEAVY_MARKERS = ("slow", "integration")
 # first (each over 100 s of worker time in the 2026-12-07 run, docs/development.md), so that no worker starts one
 # while the other is nearly done. The rest keep their order.
 LONGEST_FIRST = ("serve/test_spec_roundtrip.py", "serve/test_spec_roundtrip_fc_norm.py", "train/test_producers.py",
-                 "train/test_vllm_producer.py", "e2e/test_local_pipeline.py", "train/test_train_faults.py",
-                 "e2e/test_loop.py", "flows/test_deployments.py")
+                 "train/test_vllm_producer.py", "serve/test_endpoint_vllm.py", "e2e/test_local_pipeline.py",
+                 "train/test_train_faults.py", "e2e/test_loop.py", "flows/test_deployments.py")
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects (the mark plugin's own hook)
