@@ -98,10 +98,10 @@ class TrainConfig(BaseModel):
         "(small targets), or a producer pool through a Mooncake store (docs/train.md, \"Training at scale\")")
     producers: ProducersConfig = Field(default_factory=ProducersConfig, description="the feature producer pool "
                                        "(features: producers)")
-    feature_cache_gib: float = Field(0.0, ge=0, description="host memory (GiB) for the in-process target's "
+    feature_cache_gib: float = Field(0.0, ge=0, allow_inf_nan=False, description="host memory (GiB) for the in-process target's "
                                      "features, kept per row after its first forward and read on every later epoch "
-                                     "(regen.train.feature_cache); for a small target trained over many epochs; 0 = "
-                                     "off; not used with features: producers")
+                                     "(regen.train.feature_cache); per rank (each keeps its own rows); for a small "
+                                     "target trained over many epochs; 0 = off; not used with features: producers")
     target_head_keys: dict[str, str] = Field(default_factory=dict, description="tensor names {embed, norm, "
                                              "lm_head} of the target head, for architectures transformers cannot "
                                              "build (regen.train.target_head)")

@@ -14,11 +14,16 @@ The data path, per micro-batch (`CachedFeatures.features_of`, the call `regen.tr
       -> padded on the device: taps [B, S, T·Ht], last_hidden [B, S, Ht] (zeros past each row's length)
 
 Every row's features are computed on that row alone, never in a padded batch, so a row's values do not depend on
-which rows it was batched with or whether it was kept: a run with the cache is deterministic by content (two ranks
-equal one, a resumed run equals an unbroken one). Against a run without the cache the features differ by the
-rounding of a batched against an unbatched forward (about 1e-6 relative in fp32; tests/train/test_feature_cache.py).
-Positions past a row's length are zeros, where the batched forward computes the padding's states: the draft's loss
-and attention read neither (the loss and attention masks end at the row's length).
+which rows it was batched with, on which rank it is, or whether it was kept: a run with the cache equals bit for bit
+a run whose budget keeps nothing, and a resumed run an unbroken one. Against a run without the cache the features
+differ by the rounding of a batched against an unbatched forward (about 1e-6 relative in fp32;
+tests/train/test_feature_cache.py). Positions past a row's length are zeros, where the batched forward computes the
+padding's states: the draft's loss and attention read neither (the loss and attention masks end at the row's length;
+held by a test). Each rank keeps its own rows, so a job's host memory is up to world size x the budget.
+
+The keys and lengths come from the micro-batch's host copies (`host_input_ids`, `row_lengths`, set by
+`regen.train.step.prepare_microbatch`): no device read on a hit; a miss runs the target and copies its features to
+the host once.
 """
 from __future__ import annotations
 
@@ -28,6 +33,12 @@ import logging
 log = logging.getLogger(__name__)
 
 GIB = 1 << 30
+
+
+def feature_cache_bytes(gib: float) -> int:
+    """`train.feature_cache_gib` in bytes; a positive budget is at least one byte (a tiny one keeps no row but still
+    reports its counts); 0 = off."""
+    return max(1, int(gib * GIB)) if gib > 0 else 0
 
 
 class CachedFeatures:
@@ -55,15 +66,20 @@ class CachedFeatures:
         import torch
 
         ids = batch["input_ids"]
-        # the keys are computed on the host: on CUDA, two device reads per micro-batch (the cache is for small
-        # in-process targets, whose first pass dominates anyway)
-        host, lengths = ids.cpu(), batch["attention_mask"].sum(dim=1).cpu().tolist()
-        rows = [self._row(ids[b, :n], host[b, :n]) for b, n in enumerate(lengths)]
-        taps = torch.zeros((*ids.shape, rows[0][0].shape[-1]), dtype=rows[0][0].dtype, device=ids.device)
-        last = torch.zeros((*ids.shape, rows[0][1].shape[-1]), dtype=rows[0][1].dtype, device=ids.device)
-        for b, (t, h) in enumerate(rows):
-            taps[b, :t.shape[0]] = t.to(ids.device, non_blocking=True)
-            last[b, :h.shape[0]] = h.to(ids.device, non_blocking=True)
+        host = batch.get("host_input_ids")
+        host = ids.cpu() if host is None else host
+        lengths = batch.get("row_lengths")
+        if lengths is None:  # a batch not built by prepare_microbatch: the lengths read from the device
+            lengths = batch["attention_mask"].sum(dim=1).cpu().tolist()
+        rows = {b: self._row(ids[b, :n], host[b, :n]) for b, n in enumerate(lengths) if n > 0}
+        if not rows:  # every row empty: nothing to key, the target's own batch path
+            return self.target.features_of(batch)
+        t0, h0 = next(iter(rows.values()))
+        taps = torch.zeros((*ids.shape, t0.shape[-1]), dtype=t0.dtype, device=ids.device)
+        last = torch.zeros((*ids.shape, h0.shape[-1]), dtype=h0.dtype, device=ids.device)
+        for b, (t, h) in rows.items():  # an empty row stays zeros
+            taps[b, :t.shape[0]] = t.to(ids.device)
+            last[b, :h.shape[0]] = h.to(ids.device)
         return taps, last
 
     def _row(self, ids, host_ids):
@@ -81,18 +97,27 @@ class CachedFeatures:
         taps, last = taps[0], last[0]
         size = taps.numel() * taps.element_size() + last.numel() * last.element_size()
         if kept is None and self.bytes + size <= self.capacity_bytes:
-            self._rows[key] = (host_ids.clone(), taps.cpu().clone(), last.cpu().clone())
+            on_host = (lambda x: x.clone()) if taps.device.type == "cpu" else (lambda x: x.cpu())
+            self._rows[key] = (host_ids.clone(), on_host(taps), on_host(last))
             self.bytes += size
         else:
             self.uncached += 1
             if not self._full_logged and kept is None:
                 self._full_logged = True
-                log.warning("train.feature_cache_gib %.3g is full (%d rows kept): rows past it run the target "
-                            "every time", self.capacity_bytes / GIB, len(self._rows))
+                log.warning("train.feature_cache_gib %.3g GiB: a row of %d tokens does not fit beside the %d rows "
+                            "kept; a row that does not fit runs the target every time", self.capacity_bytes / GIB,
+                            host_ids.numel(), len(self._rows))
         return taps, last
 
-    def stats(self) -> dict:
-        """{rows kept, bytes kept, hits, misses (target forwards), uncached (misses not kept: budget full or a key
-        collision), capacity_bytes}."""
-        return {"rows": len(self._rows), "bytes": self.bytes, "hits": self.hits, "misses": self.misses,
-                "uncached": self.uncached, "capacity_bytes": self.capacity_bytes}
+    def stats(self, reduce=None) -> dict:
+        """{rows kept, bytes kept, hits, misses (target forwards), uncached (misses not kept: the budget full or a key
+        collision), capacity_bytes_per_rank}. `reduce(float64 tensor[5]) -> tensor[5]`: sums the five counts over
+        ranks (a collective every rank calls; the trainer's control plane), None = this rank's."""
+        import torch
+
+        counts = torch.tensor([len(self._rows), self.bytes, self.hits, self.misses, self.uncached],
+                              dtype=torch.float64)
+        counts = counts if reduce is None else reduce(counts)
+        rows, kept, hits, misses, uncached = (int(x) for x in counts.tolist())
+        return {"rows": rows, "bytes": kept, "hits": hits, "misses": misses, "uncached": uncached,
+                "capacity_bytes_per_rank": self.capacity_bytes}

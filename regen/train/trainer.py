@@ -40,7 +40,7 @@ from regen.train.checkpoint import agreed_resume, load_checkpoint, save_checkpoi
 from regen.train.collectives import control_all_reduce_sum
 from regen.train.draft_config import build_draft_config, check_rope_theta
 from regen.train.draft_vocab import draft_vocabulary
-from regen.train.feature_cache import CachedFeatures
+from regen.train.feature_cache import CachedFeatures, feature_cache_bytes
 from regen.train.feed import FeedConfig, ShardFeed
 from regen.train.guard import DivergenceMonitor, raise_nonfinite
 from regen.train.heldout import heldout_split
@@ -136,7 +136,7 @@ class FeaturesConfig:
     @classmethod
     def from_train(cls, cfg) -> "FeaturesConfig":
         return cls(source=cfg.features, target_dtype=cfg.target_dtype, head_keys=dict(cfg.target_head_keys),
-                   cache_bytes=int(cfg.feature_cache_gib * (1 << 30)))
+                   cache_bytes=feature_cache_bytes(cfg.feature_cache_gib))
 
     def build_target(self, target_path: Path, contract: TargetContract, dtype: torch.dtype, device):
         """(the frozen target, the contract it serves): a `TargetFeatures` (the whole model), or a `TargetHead`
@@ -463,8 +463,9 @@ class Trainer:
         summary.update(self.hooks.close(summary))
         if self.pool is not None:
             summary["features"] = self._feature_report(totals, cpu_start)
-        if isinstance(self.source, CachedFeatures):
-            summary["feature_cache"] = self.source.stats()
+        if isinstance(self.source, CachedFeatures):  # every rank has one (the same config): summed over ranks
+            summary["feature_cache"] = self.source.stats(reduce=lambda t: control_all_reduce_sum(
+                t, "the feature cache's counts"))
         return summary
 
     def _feature_report(self, totals, cpu_start: float) -> dict:

@@ -75,6 +75,40 @@ def test_rows_past_the_budget_are_computed_every_time_and_counted(target):
         CachedFeatures(target, 0)
 
 
+def test_an_empty_row_stays_zeros_and_the_counts_reduce_over_ranks(target):
+    """A row of no tokens (train.min_loss_tokens 0 lets one through) is zeros, not a crash; the host copies of
+    prepare_microbatch are used when the batch has them; stats(reduce) sums the counts as the trainer's control-plane
+    all-reduce would (here: two ranks of the same counts)."""
+    cache = CachedFeatures(target, 1 << 30)
+    batch = _batch([ROWS[0], [9]])
+    batch["attention_mask"][1] = False  # the second row: no token
+    batch["host_input_ids"], batch["row_lengths"] = batch["input_ids"].clone(), [len(ROWS[0]), 0]
+    taps, last = cache.features_of(batch)
+    assert not taps[1].any() and not last[1].any()
+    assert torch.equal(taps[0], target.features(torch.tensor([ROWS[0]]))[0][0])
+    empty = _batch([[9]])
+    empty["attention_mask"][0] = False
+    assert cache.features_of(empty)[0].shape == taps[:1, :1].shape  # all empty: the target's own batch path
+    s = cache.stats(reduce=lambda counts: counts * 2)
+    assert (s["rows"], s["misses"], s["hits"]) == (2, 2, 0) and s["capacity_bytes_per_rank"] == 1 << 30
+
+
+def test_the_budget_in_bytes_the_config_and_the_plan():
+    from regen.config import load_profile
+    from regen.train.feature_cache import feature_cache_bytes
+    from regen.train.features.plan import host_plan
+
+    assert feature_cache_bytes(0) == 0 and feature_cache_bytes(1e-12) == 1 and feature_cache_bytes(2) == 2 << 30
+    with pytest.raises(Exception, match="feature_cache_gib"):
+        load_profile("local", ["train.feature_cache_gib=inf"])
+    local = load_profile("local").train
+    host = host_plan(local, None, 1, producers=False)
+    assert host["host_memory_per_gpu_gib"] == {"feature_cache": 2.0, "total": 2.0}
+    assert "per rank" in host["host_memory_formulas"]["feature_cache"]
+    off = host_plan(local.model_copy(update={"feature_cache_gib": 0.0}), None, 1, producers=False)
+    assert off["host_memory_per_gpu_gib"] == {"total": 0.0}
+
+
 def test_a_kept_row_whose_tokens_differ_under_the_same_key_is_recomputed(target):
     """A digest collision (forced here) never hands one row another row's features: the kept token ids are compared
     in full, and the row is computed and not kept."""

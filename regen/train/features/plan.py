@@ -117,6 +117,7 @@ def host_plan(t, cfg, W: int, producers: bool) -> dict:
     step's feature slots, exact; the store segment and transfer buffer as `regen.train.features.pool.sizes_for`
     sizes them), its formulas, and whether a GB200 tray's host memory holds its ranks (`tray_host_check`)."""
     from regen.errors import InputError
+    from regen.train.feature_cache import feature_cache_bytes
     from regen.train.features.pool import sizes_for
     from regen.train.memory import (
         HOST_COUNTED_SHARE,
@@ -126,8 +127,16 @@ def host_plan(t, cfg, W: int, producers: bool) -> dict:
         tray_host_check,
     )
 
-    if not producers:
-        return {"host_memory_per_gpu_gib": {"total": 0.0}, "host_memory_formulas": {"total": "in process: none"}}
+    if not producers:  # the in-process target: only the feature cache, when it is on (regen.train.feature_cache)
+        cache = feature_cache_bytes(t.feature_cache_gib)
+        if not cache:
+            return {"host_memory_per_gpu_gib": {"total": 0.0}, "host_memory_formulas": {"total": "in process: none"}}
+        return {"host_memory_per_gpu_bytes": {"feature_cache": cache, "total": cache},
+                "host_memory_per_gpu_gib": {"feature_cache": round(cache / GiB, 2), "total": round(cache / GiB, 2)},
+                "host_memory_formulas": {
+                    "feature_cache": "train.feature_cache_gib, at most, per rank: each row's taps and last hidden "
+                                     "state kept after its first forward (pageable; a row past it is not kept)",
+                    "total": "in process: the feature cache only"}}
     taps, eb = len(cfg.target_layer_ids), 4 if t.target_dtype == "float32" else 2
     largest = largest_object_bytes(cfg, tokens=t.max_tokens, max_batch=t.max_batch, feature_bytes=eb)
     try:
