@@ -184,3 +184,40 @@ def test_the_features_of_padded_positions_never_reach_the_loss(tmp_path, tiny_ta
     assert padded.keys() == zeroed.keys()
     for k in padded:
         assert torch.equal(padded[k], zeroed[k]), k
+
+
+@pytest.mark.integration
+def test_two_ranks_count_every_row_they_saw_and_train_as_one_rank_does(tmp_path, tiny_target):
+    """torchrun, 2 ranks in process, each with its own cache: the summary's counts are summed over the ranks (every
+    row a rank saw is a hit or a miss), and the weights equal one rank's with grad_accum 2 to rounding."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+    from train_helpers import ShardWriter, make_rows, one_torch_thread, write_profile
+
+    from regen.config import load_profile
+
+    ShardWriter(tmp_path / "one").add(make_rows(16, seed=3), complete=True)
+    shutil.copytree(tmp_path / "one" / "shards", tmp_path / "two" / "shards")
+    profile = write_profile(tmp_path / "p.yaml", tiny_target, max_batch=4, shuffle_buffer=4, bucket_window=4)
+    common = ["train.max_steps=6", "train.dtype=float32", "train.target_dtype=float32", "train.feature_cache_gib=1"]
+    with one_torch_thread():
+        one = run_train(load_profile(str(profile), common + ["train.grad_accum=2"]).train, RunDir.at(tmp_path / "one"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "regen.train",
+           "--", "--profile", str(profile), "--run", str(tmp_path / "two")]
+    for s in common + ["train.grad_accum=1"]:
+        cmd += ["--set", s]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    two = json.loads((tmp_path / "two" / "train" / "summary.json").read_text())
+    seen = 6 * 2 * 4  # steps x micro-batches a step (one per rank, or grad_accum 2) x rows in each
+    for s in (one["feature_cache"], two["feature_cache"]):
+        assert s["hits"] + s["misses"] == seen and s["misses"] == s["rows"] >= 16 and s["uncached"] == 0, s
+    a, b = load_file(one["checkpoint"] + "/model.safetensors"), load_file(two["checkpoint"] + "/model.safetensors")
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=k)
