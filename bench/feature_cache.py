@@ -25,7 +25,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-_train = sibling("train")  # bench/train.py: synthetic_shards, tiny_target
+_train = sibling("train")  # bench/train.py: synthetic_shards, quick_overrides
 
 
 def timed_run(cfg, work: Path, name: str, rows: int, steps_per_epoch: int) -> dict:
@@ -63,9 +63,7 @@ def main(argv=None) -> int:
         base = ["train.epochs=0", "train.checkpoint_every=0", "train.log_every=1", "train.heldout_fraction=0",
                 "train.eval_every=0", "train.shuffle_buffer=1"]
         if args.quick:
-            base += [f"train.target={_train.tiny_target(work / 'target')}", "train.target_layer_ids=[0,1,2]",
-                     "train.mask_token_id=null", "train.max_len=128", "train.max_tokens=512", "train.max_batch=4",
-                     "train.draft_vocab_size=256"]
+            base += _train.quick_overrides(work)
         cfg0 = load_profile(args.profile, base + args.overrides).train
         steps_per_epoch = -(-args.rows // cfg0.max_batch)
         steps = ["train.max_steps=%d" % (steps_per_epoch * args.epochs)]

@@ -58,6 +58,13 @@ def tiny_target(path: Path) -> Path:
     return path
 
 
+def quick_overrides(work: Path) -> list[str]:
+    """`--set` values of a `--quick` run: the tiny random target built under `work`, sized to train in seconds."""
+    return [f"train.target={tiny_target(work / 'target')}", "train.target_layer_ids=[0,1,2]",
+            "train.mask_token_id=null", "train.max_len=128", "train.max_tokens=512", "train.max_batch=4",
+            "train.draft_vocab_size=256"]
+
+
 def target_forward_baseline(cfg, run, steps: int) -> float:
     """Tokens/s of the target's forward pass alone over the feed's first `steps` steps (same batches)."""
     import torch
@@ -106,9 +113,7 @@ def main(argv=None) -> int:
         overrides = [f"train.max_steps={steps + 1}", "train.epochs=0", "train.checkpoint_every=0",
                      "train.log_every=1", "train.heldout_fraction=0", "train.eval_every=0"] + args.overrides
         if args.quick:
-            overrides += [f"train.target={tiny_target(work / 'target')}", "train.target_layer_ids=[0,1,2]",
-                          "train.mask_token_id=null", "train.max_len=128", "train.max_tokens=512",
-                          "train.max_batch=4", "train.draft_vocab_size=256"]
+            overrides += quick_overrides(work)
         cfg = load_profile(args.profile, overrides).train
         run = RunDir.at(work / "run")
         if args.run:

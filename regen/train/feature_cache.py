@@ -21,7 +21,7 @@ tests/train/test_feature_cache.py). Positions past a row's length are zeros, whe
 padding's states: the draft's loss and attention read neither (the loss and attention masks end at the row's length;
 held by a test). Each rank keeps its own rows, so a job's host memory is up to world size x the budget.
 
-The keys and lengths come from the micro-batch's host copies (`host_input_ids`, `row_lengths`, set by
+The keys and lengths come from the micro-batch's host copies (`host_input_ids`, `host_attention_mask`, set by
 `regen.train.step.prepare_microbatch`): no device read on a hit; a miss runs the target and copies its features to
 the host once.
 """
@@ -45,7 +45,8 @@ class CachedFeatures:
     """`features_of(batch)` -> (taps float[B, S, T·Ht], last_hidden float[B, S, Ht]) on the batch's device, in the
     target's dtype, as `TargetFeatures.features_of` returns them; each row's are read from the host cache or
     computed on the row alone and kept while `capacity_bytes` allows (a row past the budget is computed every time;
-    nothing is evicted). `stats()` -> {rows, bytes, hits, misses, uncached}: what the run summary reports.
+    nothing is evicted). `stats(reduce)` -> {rows, bytes, hits, misses, uncached, capacity_bytes_per_rank}: what
+    the run summary reports.
 
     target: a `regen.train.target.TargetFeatures` (the whole frozen target in this process).
     capacity_bytes: host bytes for the kept features (taps + last hidden states; the token ids beside them are not
@@ -66,11 +67,10 @@ class CachedFeatures:
         import torch
 
         ids = batch["input_ids"]
-        host = batch.get("host_input_ids")
-        host = ids.cpu() if host is None else host
-        lengths = batch.get("row_lengths")
-        if lengths is None:  # a batch not built by prepare_microbatch: the lengths read from the device
-            lengths = batch["attention_mask"].sum(dim=1).cpu().tolist()
+        # the host copies of prepare_microbatch; a batch without them is read from the device
+        host = batch["host_input_ids"] if "host_input_ids" in batch else ids.cpu()
+        mask = batch["host_attention_mask"] if "host_attention_mask" in batch else batch["attention_mask"].cpu()
+        lengths = mask.sum(dim=1).tolist()
         rows = {b: self._row(ids[b, :n], host[b, :n]) for b, n in enumerate(lengths) if n > 0}
         if not rows:  # every row empty: nothing to key, the target's own batch path
             return self.target.features_of(batch)

@@ -76,8 +76,8 @@ def prepare_microbatch(mb, seed: int, draft_cfg, device, t2d=None):
     batch = {"input_ids": mb.input_ids.to(device), "loss_mask": loss_mask.to(device),
              "attention_mask": mb.attention_mask.to(device), "key": (mb.epoch, mb.index),
              "num_tokens": int(mb.attention_mask.sum()),  # counted on the host copy: no device read
-             # the host copies' ids and row lengths, for what keys rows on the host (regen.train.feature_cache)
-             "host_input_ids": mb.input_ids, "row_lengths": mb.attention_mask.sum(dim=1).tolist(),
+             # the host copies, for what keys rows on the host (regen.train.feature_cache): no device read
+             "host_input_ids": mb.input_ids, "host_attention_mask": mb.attention_mask,
              "slot_layout": layout.to(device)}
     return batch, anchors.to(device), keep.to(device)
 

@@ -82,7 +82,7 @@ def test_an_empty_row_stays_zeros_and_the_counts_reduce_over_ranks(target):
     cache = CachedFeatures(target, 1 << 30)
     batch = _batch([ROWS[0], [9]])
     batch["attention_mask"][1] = False  # the second row: no token
-    batch["host_input_ids"], batch["row_lengths"] = batch["input_ids"].clone(), [len(ROWS[0]), 0]
+    batch["host_input_ids"], batch["host_attention_mask"] = batch["input_ids"].clone(), batch["attention_mask"].clone()
     taps, last = cache.features_of(batch)
     assert not taps[1].any() and not last[1].any()
     assert torch.equal(taps[0], target.features(torch.tensor([ROWS[0]]))[0][0])
