@@ -99,8 +99,9 @@ def test_the_budget_in_bytes_the_config_and_the_plan():
     from regen.train.features.plan import host_plan
 
     assert feature_cache_bytes(0) == 0 and feature_cache_bytes(1e-12) == 1 and feature_cache_bytes(2) == 2 << 30
-    with pytest.raises(Exception, match="feature_cache_gib"):
-        load_profile("local", ["train.feature_cache_gib=inf"])
+    for bad in ("inf", "-inf", "nan", "-1", "lots"):
+        with pytest.raises(Exception, match="feature_cache_gib"):
+            load_profile("local", [f"train.feature_cache_gib={bad}"])
     local = load_profile("local").train
     host = host_plan(local, None, 1, producers=False)
     assert host["host_memory_per_gpu_gib"] == {"feature_cache": 2.0, "total": 2.0}
