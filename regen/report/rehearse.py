@@ -1,7 +1,7 @@
 """`regen rehearse`: one optimizer step of a profile's training job at its real size on stand-in tensors, set
 beside `regen plan`'s memory per GPU.
 
-    regen rehearse --profile kimi-k3 [--world-size W] [--json]      (train.attention=flex: refused, see rehearse())
+    regen rehearse --profile kimi-k3 [--world-size W] [--json] [--set train.attention=flex]
 
 The passes are `regen.train.rehearse` (what runs, on which tensors, what it cannot see); the watching is
 `regen.train.rehearse_modes`. This module sizes the step from the profile (as `regen plan` does), compares the
@@ -14,7 +14,7 @@ import argparse
 import json
 from collections import Counter
 
-from regen.train.rehearse import fake_world, memory_pass, placement_pass
+from regen.train.rehearse import fake_world, flex_on_stand_ins, memory_pass, placement_pass
 
 GiB = 1024 ** 3
 # plan terms -> the tracker's kinds that hold the same bytes
@@ -100,19 +100,10 @@ def rehearse(profile, *, world_size: int | None = None, placement: bool = True) 
     shape = shapes(profile, world_size)
     if shape["attention"] not in ("sdpa", "flex"):
         raise InputError(f"train.attention={shape['attention']!r}: allowed values are sdpa, flex")
-    if shape["attention"] == "flex":
-        import torch
-
-        raise InputError(
-            f"regen rehearse with train.attention=flex: torch {torch.__version__}'s flex_attention has no backward on "
-            "CPU tensors, and the rehearsal's stand-ins for the GPU are fake CPU tensors (FSDP2 refuses a fake CUDA "
-            "mesh on a CPU build), so flex's step cannot be rehearsed here; rehearse with --set train.attention=sdpa "
-            "(flex computes the same step with fewer tiles: sdpa's memory is its upper bound) and run flex's step on a "
-            "GPU with `bash bench/gpu_check.sh --only k3_step --attention flex`")
     cfg, tc = _draft_config(profile)
     torch.manual_seed(0)
     t0 = time.perf_counter()
-    with fake_world(shape["world_size"]):
+    with fake_world(shape["world_size"]), flex_on_stand_ins():
         mem = memory_pass(profile, cfg, tc, shape)
         t1 = time.perf_counter()
         place = placement_pass(profile, cfg, tc, shape) if placement else {"events": [], "finite": True}

@@ -20,8 +20,11 @@ checkpoint's `parallel.gathered_model_state`), on tensors that hold no memory, i
 Shapes: rows of `train.max_tokens` tokens (B = 1 per micro-batch: the feed's token budget), a quarter of each row
 prompt (not supervised), `train.num_anchors` anchors, `train.grad_accum` micro-batches, W = `plan.world_size`.
 The compute dtype is the CUDA one (`train.dtype` auto -> bfloat16). What it cannot see: kernels' workspaces, the
-CUDA context and NCCL buffers, allocator fragmentation; flex attention runs eagerly on fake tensors (its compiled
-kernel is what the GPU runs; on the CPU build the eager mask construction and attention are what is measured).
+CUDA context and NCCL buffers, allocator fragmentation. With `train.attention: flex` (`flex_on_stand_ins`) the block
+mask is built by the eager `create_block_mask` (the GPU runs the compiled one: the same BlockMask, without the eager
+builder's [Q, L] index grids, which are freed before the forward); flex_attention's forward and backward are the
+higher-order op's registered fake implementations in the memory pass (the outputs, logsumexp and gradients the
+fused kernel allocates, never the dense scores) and its eager implementation on `meta` in the placement pass.
 """
 from __future__ import annotations
 
@@ -305,6 +308,9 @@ def memory_pass(profile, cfg, tc, shape) -> dict:
         with _disable_current_modes():  # host work on the feed's tensors (reads them: not under fake mode)
             batches = [prepare_microbatch(mb, 0, cfg, torch.device("cpu"), _t2d(cfg)) for mb in mbs]
         tracker = FSDPMemTracker(model, opt)
+        # flex_attention's HOP passes through the tracker whole (it counts the outputs it returns: with fake
+        # tensors, the fused kernel's outputs, logsumexp and gradients)
+        tracker.supports_higher_order_operators = True
         try:
             with _disable_current_modes():  # the producer's side and the host reads (numpy): not fake
                 source = _features(profile, cfg, shape, head, mbs, "cpu")
@@ -423,3 +429,21 @@ def fake_world(world_size: int):
     finally:
         collectives._planes = saved
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def flex_on_stand_ins():
+    """flex_attention's backward allowed on the rehearsal's CPU stand-ins. torch refuses flex's backward on CPU
+    tensors (`flex_attention._validate_device`: its CPU kernel has none); the rehearsal's tensors are fake (the
+    HOP's registered fake forward and backward: the outputs, logsumexp and gradients a fused kernel allocates,
+    never the dense scores) or meta (no kernel runs), standing in for CUDA, so the guard is lifted inside this
+    block only and restored after."""
+    import torch.nn.attention.flex_attention as fa
+
+    guard, debug = fa._validate_device, fa._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG
+    fa._validate_device = lambda q, k, v: None
+    fa._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = True
+    try:
+        yield
+    finally:
+        fa._validate_device, fa._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = guard, debug

@@ -16,6 +16,9 @@ placement pass), so it sees every aten op before the stand-in tensors do:
   dimensions together with a device tensor (CUDA accepts a 0-d host scalar there, so that is allowed). Recorded
   with the op and the line, the host tensor moved to the device, and the step goes on.
 
+A higher-order op (flex_attention and its backward, one fused kernel on the GPU) reaches the mode whole: its tensor
+arguments' placement is checked and it runs below the mode, so what happens inside it is not listed.
+
 `where()` is the innermost frame of the `regen` package outside this module and `regen.train.rehearse` (the line
 that made torch do it), e.g. `regen/train/loss.py:179 dspark_loss`.
 """
@@ -73,6 +76,7 @@ class Watch(TorchDispatchMode):
     device: str | None = None
     phase: str = "setup"
     events: list = field(default_factory=list)
+    supports_higher_order_operators = True  # flex_attention reaches __torch_dispatch__ whole (see _higher_order)
 
     def __post_init__(self):
         super().__init__()
@@ -93,6 +97,8 @@ class Watch(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return self._higher_order(func, args, kwargs)
         ns = getattr(func, "namespace", "")
         if ns in ("c10d", "_c10d_functional"):
             self._collective(func, args, kwargs)
@@ -115,6 +121,15 @@ class Watch(TorchDispatchMode):
         if how is not None and self._data_dependent(how, args):
             self._record("sync", func, _shapes(args))
             return self._stand_in(how, func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _higher_order(self, func, args, kwargs):
+        """A higher-order op (flex_attention and its backward: one fused kernel on the GPU, no host read inside):
+        its tensor arguments' placement checked like an aten op's, then run with this mode popped (torch's HOP
+        dispatch pops it), so the fake pass takes the HOP's registered fake implementation (outputs, logsumexp
+        and gradients only, what the fused kernel allocates) and the meta pass its eager one on meta."""
+        if self.device is not None:
+            args, kwargs = self._placement(func, args, kwargs)
         return func(*args, **kwargs)
 
     # -- collectives ------------------------------------------------------------------------------------------

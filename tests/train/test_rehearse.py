@@ -8,10 +8,11 @@ from regen.config import load_profile
 
 pytestmark = pytest.mark.integration  # the trainer's step under fake tensors and FSDP: about 50 s for the module
 
-SHAPES = {  # two small shapes; the kimi-k3 one is in docs/plan.md (regen rehearse --profile kimi-k3)
+K3_SMALL = ["train.max_tokens=1024", "train.grad_accum=3", "train.num_draft_layers=1", "train.num_anchors=64"]
+SHAPES = {  # small shapes; the kimi-k3 ones are in docs/plan.md (regen rehearse --profile kimi-k3)
     "local": ("local", ["train.grad_accum=3", "train.draft_vocab_size=0"]),
-    "k3-small": ("kimi-k3", ["train.max_tokens=1024", "train.grad_accum=3", "train.num_draft_layers=1",
-                             "train.num_anchors=64"]),
+    "k3-small": ("kimi-k3", K3_SMALL),
+    "k3-small-flex": ("kimi-k3", K3_SMALL + ["train.attention=flex"]),
 }
 
 
@@ -75,11 +76,16 @@ def test_the_local_profile_as_shipped_rehearses_with_its_reduced_draft_vocabular
     assert r["optimizer_stepped"] and r["memory"]["rehearsed_total"] > 0
 
 
-def test_flex_attention_is_refused_saying_why_and_where_it_runs():
-    """flex_attention has no backward on CPU tensors, the rehearsal's stand-ins: refused before any step, naming the
-    GPU check that runs flex's step, not a traceback from inside the first layer."""
-    from regen.errors import InputError
-    from regen.report.rehearse import rehearse
+def test_flex_rehearses_below_sdpa_and_leaves_torchs_cpu_guard_in_place(reports):
+    """flex's step runs on the stand-ins (the HOP's fake forward and backward: outputs, logsumexp and gradients, as
+    the fused kernel allocates) and peaks below sdpa's on the same shape, whose dense bool [B, 1, Q, L] mask flex
+    never builds; once the rehearsal is over, torch refuses flex's backward on real CPU tensors again."""
+    import torch
+    from torch.nn.attention.flex_attention import flex_attention
 
-    with pytest.raises(InputError, match=r"no backward on CPU tensors.*gpu_check.sh --only k3_step --attention flex"):
-        rehearse(load_profile("kimi-k3", ["train.attention=flex"]))
+    flex, sdpa = reports["k3-small-flex"], reports["k3-small"]
+    assert flex["shape"]["attention"] == "flex" and sdpa["shape"]["attention"] == "sdpa"
+    assert flex["memory"]["rehearsed_total"] < sdpa["memory"]["rehearsed_total"]
+    q = torch.zeros(1, 1, 128, 16, requires_grad=True)
+    with pytest.raises(NotImplementedError, match="backward on CPU"):
+        flex_attention(q, q, q)
