@@ -4,9 +4,9 @@ missing metric, another model), and a real llama.cpp server started as its own p
 measured through the endpoint path beside a second server without the draft."""
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -25,6 +25,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(ROOT / "tests" / "train"))
 
 from test_served_protocol import engine_source  # noqa: E402
+
+
+def bench_module(name: str):
+    """bench/<name>.py imported by path, for its functions (its main does not run)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def test_every_metric_name_is_in_the_engines_released_code():
@@ -139,7 +147,6 @@ def two_servers(tmp_path_factory, model_dir):
 
     from regen.serve.engines import export_draft
     from regen.target.llama_cpp import served_template, version
-    from regen.target.server import free_port
 
     if version() is None:
         pytest.skip("xllamacpp is not installed (scripts/setup.sh)")
@@ -149,41 +156,13 @@ def two_servers(tmp_path_factory, model_dir):
                        target_path=str(model_dir))
     template = root / "template.jinja"
     template.write_text(served_template(model_dir))
-    procs, urls = [], []
     K = rec["widths"]["block_size"]
-    for draft in (root / "export" / "draft-dspark.gguf", None):
-        port = free_port()
-        cmd = [sys.executable, "-m", "regen.target.llama_cpp", "--gguf", str(model_dir / "engine-q8_0.gguf"),
-               "--alias", "smollm2-135m", "--template", str(template), "--port", str(port), "--parallel", "2",
-               "--ctx-per-slot", "1024", "--threads", "1"]
-        if draft:
-            cmd += ["--draft", str(draft), "--draft-n-max", str(K)]
-        log = (root / f"server-{port}.log").open("w")
-        procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
-        urls.append(f"http://127.0.0.1:{port}")
-    try:
-        import httpx
-
-        for url, proc in zip(urls, procs):
-            t0 = time.monotonic()
-            while True:
-                assert proc.poll() is None, f"llama.cpp server {url} exited: see {root}/server-*.log"
-                try:
-                    if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                assert time.monotonic() - t0 < 120, "llama.cpp server not ready in 120 s"
-                time.sleep(0.25)
-        yield urls[0], urls[1], K
-    finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+    bench = bench_module("served_endpoint")
+    cmds = bench.server_commands(model_dir / "engine-q8_0.gguf", template, "smollm2-135m", parallel=2,
+                                 ctx_per_slot=1024, threads=1, draft=root / "export" / "draft-dspark.gguf",
+                                 block_size=K)
+    with bench.llama_cpp_servers(cmds, root) as (with_draft, alone):
+        yield with_draft, alone, K
 
 
 @pytest.mark.integration  # two llama.cpp servers (two_servers)
