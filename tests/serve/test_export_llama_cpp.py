@@ -137,6 +137,21 @@ def test_each_difference_is_named_by_its_kind(with_draft, stop_type, kind):
     assert out["differing_unexplained"] == 1 and f"p at token {d['position']}: {kind}" in out["warning"]
 
 
+def test_a_difference_the_target_alone_reproduces_in_one_batch_is_explained_and_others_are_not():
+    """recheck_in_one_batch's answer decides: the token the draft's run took, taken by the target alone when the
+    shared prefix is prefilled in one batch, is batched arithmetic (explained, counted, no warning); a recheck that
+    takes the reference's token leaves the difference of its first kind, unexplained."""
+    ref = [{"prompt_id": "p", "tokens": [5, 6, 7], "top": [[(5, -0.1), (8, -2.0)], [(6, -0.1), (4, -2.5)], []]},
+           {"prompt_id": "q", "tokens": [5, 6, 7], "top": [[(5, -0.1), (8, -2.0)], [(6, -0.1), (4, -2.5)], []]}]
+    spec = [{"prompt_id": "p", "tokens": [5, 3, 9]}, {"prompt_id": "q", "tokens": [5, 4]}]
+    out = lossless(ref, spec, {"p": [(3, -0.4), (6, -0.5)], "q": [(6, -0.1), (4, -2.4)]})
+    p, q = out["first_differences"]
+    assert p["kind"] == "batched_arithmetic" and p["one_batch_top"] == [(3, -0.4), (6, -0.5)]
+    assert q["kind"] == "second_choice" and out["differing_batched_arithmetic"] == 1
+    assert out["differing_unexplained"] == 1 and "q at token 1" in out["warning"] and "p at" not in out["warning"]
+    assert lossless(ref[:1], spec[:1], {"p": [(3, -0.4)]})["warning"] is None
+
+
 @pytest.mark.integration
 @pytest.mark.skipif(xllamacpp_version() is None, reason="xllamacpp is not installed (scripts/setup.sh)")
 def test_llama_cpp_serves_the_export_beside_the_target_and_an_untrained_draft_is_accepted_about_never(
@@ -156,3 +171,26 @@ def test_llama_cpp_serves_the_export_beside_the_target_and_an_untrained_draft_is
     s = summarize_engine(res, 7)
     assert res[0]["drafts"] > 0 and len(res[0]["tokens"]) == 24
     assert s["acc_len"] < 1.15, s  # random weights: nearly nothing accepted, yet every round drafted
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(xllamacpp_version() is None, reason="xllamacpp is not installed (scripts/setup.sh)")
+def test_the_recheck_asks_the_target_alone_at_the_first_difference_in_one_batch(tmp_path):
+    """recheck_in_one_batch sends prompt + the shared prefix and reads the next position: at a position where the
+    target is sure (top-2 gap over a nat), its one-batch top token is the one the reference decoded there, at the
+    same log-probability within arithmetic; a near-tie difference is not rechecked (no request, no server)."""
+    from regen.config.serve import ServeConfig
+    from regen.serve.engines.spec_eval import recheck_in_one_batch, serve_and_measure
+
+    cfg = ServeConfig(engine="llama.cpp", ctx_per_slot=512, threads=2)
+    prompts = [{"prompt_id": "p", "prompt_ids": [1, 9690, 198, 2683, 359, 253, 1135, 1353, 2, 198, 1, 4093, 198,
+                                                  6463, 314, 253, 3142, 30, 2, 198, 1, 520, 9531, 198]}]
+    ref = serve_and_measure(cfg, prompts, 24, log_path=tmp_path / "alone.log", n_probs=2)
+    a, top = ref[0]["tokens"], ref[0]["top"]
+    i = next(j for j in range(4, len(a)) if top[j][0][1] - top[j][1][1] > 1.0)
+    other = next(t for t in range(3, 100) if t not in (top[i][0][0], top[i][1][0]))
+    got = recheck_in_one_batch(cfg, prompts, ref, [{"prompt_id": "p", "tokens": a[:i] + [other]}],
+                               log_path=tmp_path / "recheck.log")
+    assert got["p"][0][0] == a[i] and abs(got["p"][0][1] - top[i][0][1]) < 0.05, (got, top[i])
+    tie = [{"prompt_id": "p", "tokens": a, "top": [[(a[0], -0.70), (7, -0.72)]] + top[1:]}]
+    assert recheck_in_one_batch(cfg, prompts, tie, [{"prompt_id": "p", "tokens": [7]}], log_path=tmp_path / "x") == {}

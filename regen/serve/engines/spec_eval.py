@@ -148,19 +148,27 @@ DIFFERENCE_KINDS = {
                        "there: a stop proposed by the draft emitted without verification",
     "length": "one answer is the other's prefix: they end at different lengths (budget, context or a stop string)",
     "other": "a token outside the target's top two: the draft's tokens emitted without the target's check",
+    "batched_arithmetic": "the target alone, given the shared prefix as one batch (as a verification round computes "
+                          "it) instead of one token at a time, takes the same token as the answer with the draft: "
+                          "the engine's batched and one-token forwards differ in floating point, reproduced without "
+                          "the draft (recheck_in_one_batch)",
 }
+EXPLAINED_KINDS = ("near_tie", "batched_arithmetic")
 
 
 def difference_kind(without: list[int], with_draft: list[int], i: int, top: list, gap: float | None,
-                    stop_type: str | None) -> str:
+                    stop_type: str | None, batched_top: list | None = None) -> str:
     """The kind (`DIFFERENCE_KINDS`) of the first difference at position `i` of two answers' token ids; `top`: the
     target's top (token, log-probability) pairs at `i` from the run without the draft; `stop_type`: llama.cpp's
-    `stop_type` of the request with the draft ("eos", "limit", "word")."""
+    `stop_type` of the request with the draft ("eos", "limit", "word"); `batched_top`: the target alone's top pairs
+    at `i` with the shared prefix prefilled in one batch (`recheck_in_one_batch`), None when not rechecked."""
     if i >= len(without) or i >= len(with_draft):
         return "length"
     choices = [t for t, _ in top[:2]]
     if gap is not None and gap < NEAR_TIE_NATS and with_draft[i] in choices:
         return "near_tie"
+    if batched_top and batched_top[0][0] == with_draft[i]:
+        return "batched_arithmetic"
     if i == len(with_draft) - 1 and stop_type == "eos":
         return "stop_not_chosen"
     if len(choices) == 2 and with_draft[i] == choices[1]:
@@ -168,11 +176,13 @@ def difference_kind(without: list[int], with_draft: list[int], i: int, top: list
     return "other"
 
 
-def lossless(reference: list[dict], with_draft: list[dict]) -> dict:
+def lossless(reference: list[dict], with_draft: list[dict], batched: dict | None = None) -> dict:
     """Token-for-token comparison of the answers with and without the draft: the first difference of each
     differing prompt, the target's top-2 log-probability gap there (from the reference run) and its kind
-    (`difference_kind`). Every difference but a near-tie is unexplained and `warning` names them (None when
-    there are none)."""
+    (`difference_kind`; `batched`: `recheck_in_one_batch`'s {prompt_id: top pairs}, when rechecked). Every
+    difference of a kind outside EXPLAINED_KINDS is unexplained and `warning` names them (None when there are
+    none)."""
+    batched = batched or {}
     same, diffs = 0, []
     for ref, spec in zip(reference, with_draft):
         a, b = ref["tokens"], spec["tokens"]
@@ -182,20 +192,54 @@ def lossless(reference: list[dict], with_draft: list[dict]) -> dict:
         i = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         top = ref["top"][i] if i < len(ref["top"]) else []
         gap = (top[0][1] - top[1][1]) if len(top) >= 2 else None
-        kind = difference_kind(a, b, i, top, gap, spec.get("stop_type"))
+        one_batch = batched.get(ref["prompt_id"])
+        kind = difference_kind(a, b, i, top, gap, spec.get("stop_type"), one_batch)
         diffs.append({"prompt_id": ref["prompt_id"], "position": i, "without_draft": a[i] if i < len(a) else None,
                       "with_draft": b[i] if i < len(b) else None, "top2": top[:2], "logprob_gap": gap,
+                      "one_batch_top": one_batch[:4] if one_batch else None,
                       "near_tie": kind == "near_tie", "kind": kind, "kind_means": DIFFERENCE_KINDS[kind]})
     kinds = {k: sum(1 for d in diffs if d["kind"] == k) for k in DIFFERENCE_KINDS}
-    unexplained = [d for d in diffs if d["kind"] != "near_tie"]
+    unexplained = [d for d in diffs if d["kind"] not in EXPLAINED_KINDS]
     warning = None
     if unexplained:
         warning = (f"{len(unexplained)} of {len(reference)} answers differ from the target alone beyond a near-tie ("
                    + ", ".join(f"{d['prompt_id']} at token {d['position']}: {d['kind']}" for d in unexplained)
                    + "): greedy verification is lossless, so check the draft's export and the engine")
     return {"num_prompts": len(reference), "identical": same, "differing": len(diffs),
-            "differing_near_tie": kinds["near_tie"], "differing_unexplained": len(unexplained), "kinds": kinds,
+            "differing_near_tie": kinds["near_tie"], "differing_batched_arithmetic": kinds["batched_arithmetic"],
+            "differing_unexplained": len(unexplained), "kinds": kinds,
             "first_differences": diffs, "near_tie_nats": NEAR_TIE_NATS, "warning": warning}
+
+
+def recheck_in_one_batch(serve_cfg, prompts: list[dict], reference: list[dict], with_draft: list[dict], *,
+                         log_path: Path, n_probs: int = 8, log=print) -> dict:
+    """The target alone (no draft), asked again at each first difference beyond a near-tie that both answers
+    reach: the prompt and the shared answer prefix (`prompt_ids + answer[:i]`) sent as one prompt, so the engine
+    computes position i in one prefilled batch, as a verification round does, not one token at a time as the
+    reference run did. Returns {prompt_id: [(token, log-probability), ...] its top `n_probs` at i, best first};
+    {} when nothing needs it (no server is started)."""
+    from regen.serve.engines.llama_client import complete
+    from regen.target.server import EmbeddedTarget
+
+    todo = []
+    for p, ref, spec in zip(prompts, reference, with_draft):
+        a, b = ref["tokens"], spec["tokens"]
+        i = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if i is None:
+            continue
+        top = ref["top"][i] if i < len(ref["top"]) else []
+        if len(top) >= 2 and top[0][1] - top[1][1] < NEAR_TIE_NATS and b[i] in (top[0][0], top[1][0]):
+            continue  # a near-tie is explained already
+        todo.append((p, a[:i]))
+    if not todo:
+        return {}
+    cfg = serve_cfg.model_copy(update={"parallel": 1, "warmup": True})
+    out = {}
+    with EmbeddedTarget(cfg, log_path=log_path, log=log) as target:
+        for p, prefix in todo:
+            c = complete(target.base_url, list(p["prompt_ids"]) + list(prefix), 1, n_probs=n_probs)
+            out[p["prompt_id"]] = c.top[0] if c.top else []
+    return out
 
 
 def speed(reference: list[dict], with_draft: list[dict]) -> dict:
@@ -338,9 +382,11 @@ def run_engine_eval(profile, run, *, draft_dir=None, num_prompts: int | None = N
         spec = serve_and_measure(s, prompts, max_new, draft_gguf=gguf, block_size=K,
                                  log_path=logs / f"engine-eval-{qtype}-draft.log", log=log)
         tokens[qtype] = [r["tokens"] for r in spec]
+        batched = recheck_in_one_batch(s, prompts, ref, spec, log_path=logs / f"engine-eval-{qtype}-recheck.log",
+                                       log=log)
         result["by_gguf_type"][qtype] = {
             "engine": summarize_engine(spec, K), "cells": engine_breakdown(prompts, spec, K),
-            "lossless": lossless(ref, spec), "speed": speed(ref, spec),
+            "lossless": lossless(ref, spec, batched), "speed": speed(ref, spec),
             "per_request": [{k: r[k] for k in ("prompt_id", "category", "drafts", "accepted", "predicted_n",
                                                "stop_type")} | {"length_band": p.get("length_band"),
                                                                 "mode": p.get("mode")} for p, r in zip(prompts, spec)]}
@@ -366,7 +412,8 @@ def headline(res: dict) -> str:
                      else f"llama.cpp {qtype}: acc_len {e['acc_len']:.3f} ")
         lines[-1] += (f"over {int(e['num_rounds'])} rounds; {sp['tokens_per_s_with_draft']:.1f} tok/s with the draft "
                       f"vs {sp['tokens_per_s_target_alone']:.1f} alone ({sp['speedup']:.2f}x); identical answers "
-                      f"{ll['identical']}/{ll['num_prompts']} ({ll['differing_near_tie']} near-ties)")
+                      f"{ll['identical']}/{ll['num_prompts']} ({ll['differing_near_tie']} near-ties, "
+                      f"{ll.get('differing_batched_arithmetic', 0)} reproduced by the target alone in one batch)")
         if ll.get("warning"):
             lines.append(f"warning: llama.cpp {qtype}: {ll['warning']}")
     return "\n".join(lines)
