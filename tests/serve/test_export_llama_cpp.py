@@ -2,7 +2,9 @@
 llama.cpp server loading the export beside the embedded target."""
 from __future__ import annotations
 
+import importlib.util
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,6 +17,8 @@ from regen.serve.engines.draft import EngineRefused
 from regen.serve.engines.spec_eval import lossless
 from regen.target.llama_cpp import version as xllamacpp_version
 from regen.train.eval import replay_rounds
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -147,6 +151,7 @@ def test_a_difference_the_target_alone_reproduces_in_one_batch_is_explained_and_
     out = lossless(ref, spec, {"p": [(3, -0.4), (6, -0.5)], "q": [(6, -0.1), (4, -2.4)]})
     p, q = out["first_differences"]
     assert p["kind"] == "batched_arithmetic" and p["one_batch_top"] == [(3, -0.4), (6, -0.5)]
+    assert p["shared_prefix"] == q["shared_prefix"] == [5]  # what bench/batch_vs_decode.py reproduces from
     assert q["kind"] == "second_choice" and out["differing_batched_arithmetic"] == 1
     assert out["differing_unexplained"] == 1 and "q at token 1" in out["warning"] and "p at" not in out["warning"]
     assert lossless(ref[:1], spec[:1], {"p": [(3, -0.4)]})["warning"] is None
@@ -192,5 +197,11 @@ def test_the_recheck_asks_the_target_alone_at_the_first_difference_in_one_batch(
     got = recheck_in_one_batch(cfg, prompts, ref, [{"prompt_id": "p", "tokens": a[:i] + [other]}],
                                log_path=tmp_path / "recheck.log")
     assert got["p"][0][0] == a[i] and abs(got["p"][0][1] - top[i][0][1]) < 0.05, (got, top[i])
+    # bench/batch_vs_decode.py's two ways to the same position (its one-token-at-a-time path reuses the KV cache)
+    spec = importlib.util.spec_from_file_location("batch_vs_decode", ROOT / "bench" / "batch_vs_decode.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    step, batch = bench.tops_both_ways(cfg, prompts[0]["prompt_ids"], a[:i], tmp_path / "both.log")
+    assert step[0][0] == batch[0][0] == a[i] and bench.max_delta(step, batch) < 0.5, (step, batch, top[i])
     tie = [{"prompt_id": "p", "tokens": a, "top": [[(a[0], -0.70), (7, -0.72)]] + top[1:]}]
     assert recheck_in_one_batch(cfg, prompts, tie, [{"prompt_id": "p", "tokens": [7]}], log_path=tmp_path / "x") == {}

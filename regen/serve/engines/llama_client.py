@@ -53,13 +53,15 @@ def server_root(base_url: str) -> str:
     return base_url[: -len("/v1")] if base_url.endswith("/v1") else base_url.rstrip("/")
 
 
-def complete(base_url: str, prompt_ids: list[int], n_predict: int, *, n_probs: int = 0,
+def complete(base_url: str, prompt_ids: list[int], n_predict: int, *, n_probs: int = 0, cache_prompt: bool = False,
              timeout_s: float = 600.0) -> Completion:
-    """Greedy completion of a token-id prompt. Raises RuntimeError with the server's answer on a non-200."""
+    """Greedy completion of a token-id prompt. `cache_prompt`: reuse the slot's KV cache for the longest common
+    prefix with the previous request (only the new tokens are computed). Raises RuntimeError with the server's
+    answer on a non-200."""
     import httpx
 
     body = {"prompt": [int(t) for t in prompt_ids], "n_predict": int(n_predict), "temperature": 0.0, "top_p": 1.0,
-            "return_tokens": True, "cache_prompt": False, "stream": False}
+            "return_tokens": True, "cache_prompt": bool(cache_prompt), "stream": False}
     if n_probs:
         body.update(n_probs=int(n_probs), post_sampling_probs=False)
     r = httpx.post(server_root(base_url) + "/completion", json=body, timeout=timeout_s)

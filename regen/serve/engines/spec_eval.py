@@ -196,7 +196,7 @@ def lossless(reference: list[dict], with_draft: list[dict], batched: dict | None
         kind = difference_kind(a, b, i, top, gap, spec.get("stop_type"), one_batch)
         diffs.append({"prompt_id": ref["prompt_id"], "position": i, "without_draft": a[i] if i < len(a) else None,
                       "with_draft": b[i] if i < len(b) else None, "top2": top[:2], "logprob_gap": gap,
-                      "one_batch_top": one_batch[:4] if one_batch else None,
+                      "one_batch_top": one_batch[:4] if one_batch else None, "shared_prefix": a[:i],
                       "near_tie": kind == "near_tie", "kind": kind, "kind_means": DIFFERENCE_KINDS[kind]})
     kinds = {k: sum(1 for d in diffs if d["kind"] == k) for k in DIFFERENCE_KINDS}
     unexplained = [d for d in diffs if d["kind"] not in EXPLAINED_KINDS]
