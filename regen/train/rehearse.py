@@ -437,7 +437,9 @@ def flex_on_stand_ins():
     tensors (`flex_attention._validate_device`: its CPU kernel has none); the rehearsal's tensors are fake (the
     HOP's registered fake forward and backward: the outputs, logsumexp and gradients a fused kernel allocates,
     never the dense scores) or meta (no kernel runs), standing in for CUDA, so the guard is lifted inside this
-    block only and restored after."""
+    block only and restored after. Eager flex also wraps the op in `torch.compile(backend="eager",
+    fullgraph=True)`, which finds no frame to compile under the rehearsal's dispatch modes; the op is called
+    directly instead (`_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG`, restored too). torch 2.13 names both."""
     import torch.nn.attention.flex_attention as fa
 
     guard, debug = fa._validate_device, fa._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG
