@@ -38,11 +38,8 @@ def tops_both_ways(serve_cfg, prompt_ids: list[int], prefix: list[int], log_path
     cfg = serve_cfg.model_copy(update={"parallel": 1, "warmup": True})
     with EmbeddedTarget(cfg, log_path=log_path, log=lambda *_: None) as t:
         one_batch = complete(t.base_url, prompt_ids + prefix, 1, n_probs=n_probs).top[0]
-        complete(t.base_url, prompt_ids, 1, cache_prompt=True)  # the prompt prefilled, as the reference run did
-        for k in range(1, len(prefix) + 1):
+        for k in range(len(prefix) + 1):  # k = 0: the prompt prefilled, as the reference run did
             stepwise = complete(t.base_url, prompt_ids + prefix[:k], 1, n_probs=n_probs, cache_prompt=True).top[0]
-        if not prefix:
-            stepwise = complete(t.base_url, prompt_ids, 1, n_probs=n_probs, cache_prompt=True).top[0]
     return stepwise, one_batch
 
 

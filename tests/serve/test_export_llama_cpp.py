@@ -194,7 +194,7 @@ def test_the_recheck_asks_the_target_alone_at_the_first_difference_in_one_batch(
     a, top = ref[0]["tokens"], ref[0]["top"]
     i = next(j for j in range(4, len(a)) if top[j][0][1] - top[j][1][1] > 1.0)
     other = next(t for t in range(3, 100) if t not in (top[i][0][0], top[i][1][0]))
-    got = recheck_in_one_batch(cfg, prompts, ref, [{"prompt_id": "p", "tokens": a[:i] + [other]}],
+    got = recheck_in_one_batch(cfg, prompts, lossless(ref, [{"prompt_id": "p", "tokens": a[:i] + [other]}]),
                                log_path=tmp_path / "recheck.log")
     assert got["p"][0][0] == a[i] and abs(got["p"][0][1] - top[i][0][1]) < 0.05, (got, top[i])
     # bench/batch_vs_decode.py's two ways to the same position (its one-token-at-a-time path reuses the KV cache)
@@ -204,4 +204,5 @@ def test_the_recheck_asks_the_target_alone_at_the_first_difference_in_one_batch(
     step, batch = bench.tops_both_ways(cfg, prompts[0]["prompt_ids"], a[:i], tmp_path / "both.log")
     assert step[0][0] == batch[0][0] == a[i] and bench.max_delta(step, batch) < 0.5, (step, batch, top[i])
     tie = [{"prompt_id": "p", "tokens": a, "top": [[(a[0], -0.70), (7, -0.72)]] + top[1:]}]
-    assert recheck_in_one_batch(cfg, prompts, tie, [{"prompt_id": "p", "tokens": [7]}], log_path=tmp_path / "x") == {}
+    assert recheck_in_one_batch(cfg, prompts, lossless(tie, [{"prompt_id": "p", "tokens": [7]}]),
+                                log_path=tmp_path / "x") == {}

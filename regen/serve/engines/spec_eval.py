@@ -211,26 +211,20 @@ def lossless(reference: list[dict], with_draft: list[dict], batched: dict | None
             "first_differences": diffs, "near_tie_nats": NEAR_TIE_NATS, "warning": warning}
 
 
-def recheck_in_one_batch(serve_cfg, prompts: list[dict], reference: list[dict], with_draft: list[dict], *,
-                         log_path: Path, n_probs: int = 8, log=print) -> dict:
-    """The target alone (no draft), asked again at each first difference beyond a near-tie that both answers
-    reach: the prompt and the shared answer prefix (`prompt_ids + answer[:i]`) sent as one prompt, so the engine
-    computes position i in one prefilled batch, as a verification round does, not one token at a time as the
-    reference run did. Returns {prompt_id: [(token, log-probability), ...] its top `n_probs` at i, best first};
-    {} when nothing needs it (no server is started)."""
+def recheck_in_one_batch(serve_cfg, prompts: list[dict], first: dict, *, log_path: Path, n_probs: int = 8,
+                         log=print) -> dict:
+    """The target alone (no draft), asked again at each first difference of `first` (`lossless`'s result without
+    a recheck) that is neither explained (EXPLAINED_KINDS) nor a `length` difference: the prompt and the shared
+    answer prefix (`prompt_ids + shared_prefix`) sent as one prompt, so the engine computes the position in one
+    prefilled batch, as a verification round does, not one token at a time as the reference run did. Returns
+    {prompt_id: [(token, log-probability), ...] its top `n_probs` there, best first}; {} when nothing needs it (no
+    server is started)."""
     from regen.serve.engines.llama_client import complete
     from regen.target.server import EmbeddedTarget
 
-    todo = []
-    for p, ref, spec in zip(prompts, reference, with_draft):
-        a, b = ref["tokens"], spec["tokens"]
-        i = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
-        if i is None:
-            continue
-        top = ref["top"][i] if i < len(ref["top"]) else []
-        if len(top) >= 2 and top[0][1] - top[1][1] < NEAR_TIE_NATS and b[i] in (top[0][0], top[1][0]):
-            continue  # a near-tie is explained already
-        todo.append((p, a[:i]))
+    by_id = {p["prompt_id"]: p for p in prompts}
+    todo = [(by_id[d["prompt_id"]], d["shared_prefix"]) for d in first["first_differences"]
+            if d["kind"] not in (*EXPLAINED_KINDS, "length")]
     if not todo:
         return {}
     cfg = serve_cfg.model_copy(update={"parallel": 1, "warmup": True})
@@ -382,8 +376,8 @@ def run_engine_eval(profile, run, *, draft_dir=None, num_prompts: int | None = N
         spec = serve_and_measure(s, prompts, max_new, draft_gguf=gguf, block_size=K,
                                  log_path=logs / f"engine-eval-{qtype}-draft.log", log=log)
         tokens[qtype] = [r["tokens"] for r in spec]
-        batched = recheck_in_one_batch(s, prompts, ref, spec, log_path=logs / f"engine-eval-{qtype}-recheck.log",
-                                       log=log)
+        batched = recheck_in_one_batch(s, prompts, lossless(ref, spec),
+                                       log_path=logs / f"engine-eval-{qtype}-recheck.log", log=log)
         result["by_gguf_type"][qtype] = {
             "engine": summarize_engine(spec, K), "cells": engine_breakdown(prompts, spec, K),
             "lossless": lossless(ref, spec, batched), "speed": speed(ref, spec),
