@@ -7,7 +7,7 @@ read is vLLM's real `/metrics` counters (`vllm:spec_decode_*`), not a recording.
 n-gram lookup proposes the continuation of an earlier occurrence of the last tokens, so a prompt that asks for a
 repeated list is drafted and accepted often and a free answer rarely: the test asserts that the counters move, that
 what they say is consistent with the tokens the server returned, and that the repeated prompts are accepted more than
-the free ones. Slow: two vLLM servers start (about a minute each on 2 cores).
+the free ones. Slow: two vLLM servers start, side by side (about 35 s each alone on 2 cores).
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ REPEAT = ["Repeat this line five times, one per line: the quick brown fox jumps 
 FREE = ["Write a short poem about the sea.", "Why is the sky blue?", "Give me a tip for learning to cook."]
 
 
-def vllm_server(python: str, model: Path, log: Path, speculative: dict | None):
+def vllm_server(python: str, model: Path, log: Path, speculative: dict | None, *, wait: bool = True):
     from regen.train.features.store import free_port
     from regen.train.features.vllm_producer import VllmServer
 
@@ -41,9 +41,11 @@ def vllm_server(python: str, model: Path, log: Path, speculative: dict | None):
            "--enforce-eager", "--seed", "0"]
     if speculative:
         cmd += ["--speculative-config", json.dumps(speculative)]
+    # nobind: vLLM's CPU build otherwise pins its engine to core 0 (reserving the others), so that two servers, or
+    # a server beside the other test worker, share one core while the rest stay idle
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "OMP_NUM_THREADS": "1"}
-    return VllmServer.start(cmd, port, str(log), 900, env)
+           "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    return VllmServer.start(cmd, port, str(log), 900, env, wait=wait)
 
 
 @pytest.fixture(scope="module")
@@ -56,9 +58,11 @@ def servers(tmp_path_factory, model_dir):
     root = tmp_path_factory.mktemp("vllm-endpoint")
     spec = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
     started = []
-    try:
-        started.append(vllm_server(VLLM_PYTHON, model_dir, root / "spec.log", spec))
-        started.append(vllm_server(VLLM_PYTHON, model_dir, root / "alone.log", None))
+    try:  # both start at once: a start-up is mostly one core's imports and loading, so the two overlap
+        started.append(vllm_server(VLLM_PYTHON, model_dir, root / "spec.log", spec, wait=False))
+        started.append(vllm_server(VLLM_PYTHON, model_dir, root / "alone.log", None, wait=False))
+        for s in started:
+            s.wait_ready(900)
         yield started[0].url, started[1].url
     finally:
         for s in started:

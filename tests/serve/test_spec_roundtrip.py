@@ -178,12 +178,13 @@ def test_the_trained_draft_served_by_llama_cpp_matches_regen_and_broken_exports_
     untrained = untrained_like(step, root / "untrained-step")
     export_draft(untrained, "llama.cpp", root / "export-untrained", target_gguf=SERVE_GGUF(),
                  target_path=str(local_target()))
-    cold = summarize_engine(engine_run(root / "export-untrained" / gguf_export.GGUF_NAME, prompts, root, "cold"), 7)
+    # the untrained draft on half the prompts: it is rejected about every round (321 rounds of 1.00 on all 8), so
+    # half of them (about 160 rounds) hold its bound as well at half the engine's time
+    cold = summarize_engine(engine_run(root / "export-untrained" / gguf_export.GGUF_NAME, prompts[:4], root, "cold"),
+                            7)
     down = summarize_engine(engine_run(write_broken(step, root / "down", shift_taps=-1), prompts, root, "down"), 7)
-    up = summarize_engine(engine_run(write_broken(step, root / "up", shift_taps=1), prompts, root, "up"), 7)
     print("ROUNDTRIP " + json.dumps({"engine": eng, "regen": ours["engine_budget_rule"], "lossless": ll,
-                                     "untrained": cold, "taps_shifted_down": down, "taps_shifted_up": up},
-                                    default=str))
+                                     "untrained": cold, "taps_shifted_down": down}, default=str))
     # the draft learnt the continuations: the engine accepts most of every block, and as many as regen's replay
     assert eng["acc_len"] > 2.5, eng
     assert abs(eng["acc_len"] - ref_acc) <= ROUNDTRIP_TOLERANCE, (eng["acc_len"], ref_acc)
@@ -193,5 +194,5 @@ def test_the_trained_draft_served_by_llama_cpp_matches_regen_and_broken_exports_
     # taps one layer too low: the draft reads features it never saw; lower acceptance, and the agreement check fails
     assert down["acc_len"] < eng["acc_len"] - 0.2, (down["acc_len"], eng["acc_len"])
     assert abs(down["acc_len"] - ref_acc) > ROUNDTRIP_TOLERANCE, (down["acc_len"], ref_acc)
-    # one layer too high is printed, not asserted: this overfit draft reads its memorised continuation from the
-    # neighbouring layer as well (measured 6.06 against 5.84, docs/serve.md): acceptance alone cannot catch it
+    # taps one layer too high are not served here: this overfit draft reads its memorised continuation from the
+    # neighbouring layer as well (measured 6.54 against 6.94, docs/serve.md), so acceptance alone cannot catch it

@@ -124,13 +124,19 @@ class VllmServer:
         self.url, self.proc, self.log_path = url.rstrip("/"), proc, log_path
 
     @classmethod
-    def start(cls, cmd: list[str], port: int, log_path: str, timeout_s: float, env: dict) -> "VllmServer":
+    def start(cls, cmd: list[str], port: int, log_path: str, timeout_s: float, env: dict, *,
+              wait: bool = True) -> "VllmServer":
+        """Starts `cmd` (a vLLM server on loopback `port`, output to `log_path`) and, with `wait`, returns once
+        it serves (`wait_ready`). Without `wait` it returns at once: start several, then `wait_ready` each, so
+        that their start-ups overlap. Raises InputError when the server exits or does not serve in time."""
         from regen.train.features.store import die_with_parent
 
         with open(log_path, "ab") as logf:
             proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                     preexec_fn=die_with_parent)
         server = cls(f"http://127.0.0.1:{port}", proc, log_path)
+        if not wait:
+            return server
         try:
             server.wait_ready(timeout_s)
         except BaseException:
