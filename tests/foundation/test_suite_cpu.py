@@ -36,7 +36,8 @@ def test_waits():
 def test_the_plugin_splits_cpu_between_the_worker_and_its_children_and_sums_per_module(tmp_path):
     (tmp_path / "test_inner.py").write_text(INNER)
     out = tmp_path / "cpu"
-    env = {**os.environ, "REGEN_SUITE_CPU_DIR": str(out), "PYTHONPATH": str(ROOT / "bench")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}  # the inner run is no worker
+    env.update(REGEN_SUITE_CPU_DIR=str(out), PYTHONPATH=str(ROOT / "bench"))
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "suite_cpu", "-p", "no:cacheprovider",
                            "-c", os.devnull, "--rootdir", str(tmp_path), str(tmp_path / "test_inner.py")],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
