@@ -31,7 +31,8 @@ REPEAT = ["Repeat this line five times, one per line: the quick brown fox jumps 
 FREE = ["Write a short poem about the sea.", "Why is the sky blue?", "Give me a tip for learning to cook."]
 
 
-def vllm_server(python: str, model: Path, log: Path, speculative: dict | None, *, wait: bool = True):
+def vllm_server(python: str, model: Path, log: Path, speculative: dict | None):
+    """A vLLM server started and not yet waited for (`wait_ready`): the fixture starts both, then waits."""
     from regen.train.features.store import free_port
     from regen.train.features.vllm_producer import VllmServer
 
@@ -45,7 +46,7 @@ def vllm_server(python: str, model: Path, log: Path, speculative: dict | None, *
     # a server beside the other test worker, share one core while the rest stay idle
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
            "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-    return VllmServer.start(cmd, port, str(log), 900, env, wait=wait)
+    return VllmServer.start(cmd, port, str(log), 900, env, wait=False)
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +60,8 @@ def servers(tmp_path_factory, model_dir):
     spec = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
     started = []
     try:  # both start at once: a start-up is mostly one core's imports and loading, so the two overlap
-        started.append(vllm_server(VLLM_PYTHON, model_dir, root / "spec.log", spec, wait=False))
-        started.append(vllm_server(VLLM_PYTHON, model_dir, root / "alone.log", None, wait=False))
+        started.append(vllm_server(VLLM_PYTHON, model_dir, root / "spec.log", spec))
+        started.append(vllm_server(VLLM_PYTHON, model_dir, root / "alone.log", None))
         for s in started:
             s.wait_ready(900)
         yield started[0].url, started[1].url
