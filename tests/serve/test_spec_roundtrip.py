@@ -59,22 +59,36 @@ def overfit(tmp_path_factory, model_dir):
     root = tmp_path_factory.mktemp("roundtrip")
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = [list(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                        tokenize=True, return_dict=True)["input_ids"]) for text in PROMPTS]
+    # the 8 greedy continuations in one left-padded batch: the same tokens as one prompt at a time (checked
+    # 2026-12-07, 8 of 8 rows) in a third of the time (14.5 s against 46 s on one AVX2 core)
+    width, pad = max(map(len, ids)), tok.eos_token_id
+    stops = model.generation_config.eos_token_id
+    stops = {stops} if isinstance(stops, int) else set(stops or ())
+    with torch.no_grad():
+        out = model.generate(torch.tensor([[pad] * (width - len(x)) + x for x in ids]),
+                             attention_mask=torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids]),
+                             max_new_tokens=NEW_TOKENS + 16, do_sample=False, pad_token_id=pad)
     rows, prompts = [], []
-    for i, text in enumerate(PROMPTS):
-        ids = list(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                           tokenize=True, return_dict=True)["input_ids"])
-        with torch.no_grad():
-            out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS + 16, do_sample=False,
-                                 pad_token_id=tok.eos_token_id)[0].tolist()
-        n, P = len(out), len(ids)
+    for i, prompt_ids in enumerate(ids):
+        full = out[i, width - len(prompt_ids):].tolist()
+        n, P = answer_end(full, len(prompt_ids), stops), len(prompt_ids)
+        full = full[:n]
         rows.append({"sample_id": f"s{i}", "prompt_id": f"p{i}", "turn": 0, "category": "general", "language": "en",
-                     "input_ids": out, "loss_spans": [{"start": P, "end": n}], "num_tokens": n,
+                     "input_ids": full, "loss_spans": [{"start": P, "end": n}], "num_tokens": n,
                      "num_loss_tokens": n - P})
-        prompts.append({"prompt_id": f"p{i}", "category": "general", "prompt_ids": ids})
+        prompts.append({"prompt_id": f"p{i}", "category": "general", "prompt_ids": prompt_ids})
     writer = ShardWriter(root / "run")
     writer.add(rows, complete=True)
     ensure_engine_gguf(SERVE, "f32")  # the trainer's exact weights for the engine (setup prepares q8_0 only)
     return root / "run", prompts, root
+
+
+def answer_end(ids: list[int], prompt_len: int, stops: set[int]) -> int:
+    """The length of a batched greedy row up to and including its first stop token after the prompt (where
+    generate stops a single row; a batch pads its finished rows to the longest)."""
+    return next((k + 1 for k in range(prompt_len, len(ids)) if ids[k] in stops), len(ids))
 
 
 def train(root: Path, run: Path, name: str, **train_overrides) -> Path:
