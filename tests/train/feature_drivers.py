@@ -1,7 +1,8 @@
 """Scenarios that need several processes on one private loopback network; run by the tests inside a network
 namespace (`regen.train.features.netns.loopback_only`) and print one JSON line of results.
 
-    python feature_drivers.py roundtrip TARGET SHARDS_DIR DTYPE    features through the store vs in process
+    python feature_drivers.py roundtrip TARGET SHARDS_DIR DTYPE... features through the store vs in process, each
+                                                                    case (a triple) in turn through one master
     python feature_drivers.py resume PROFILE RUN_A RUN_B           killed-and-resumed run vs uninterrupted,
                                                                     with a store node that outlives the trainer
 """
@@ -16,13 +17,24 @@ import time
 from pathlib import Path
 
 
-def roundtrip(target: str, shards: str, dtype: str) -> dict:
+def roundtrip(*args: str) -> list[dict]:
+    """Each case (the triple TARGET SHARDS_DIR DTYPE) in turn through one Mooncake master: each case's figures
+    (`_roundtrip_one`), in order. One process and one master for every case: each would otherwise pay its own
+    interpreter, imports and master."""
+    from regen.train.features.store import MooncakeMaster
+
+    cases = [args[i:i + 3] for i in range(0, len(args), 3)]
+    with MooncakeMaster(Path(cases[0][1]).parent / "master.log") as master:
+        return [_roundtrip_one(master, *case) for case in cases]
+
+
+def _roundtrip_one(master, target: str, shards: str, dtype: str) -> dict:
     """Each micro-batch of the feed: a producer-side TargetFeatures -> contract.encode -> store put (pure client)
     -> store get (the consumer's segment) -> decode, against a separately loaded in-process TargetFeatures."""
     import torch
 
     from regen.train.features.contract import FeatureSpec, check_header, decode, encode, make_header, read_header
-    from regen.train.features.store import MooncakeMaster, StoreClient
+    from regen.train.features.store import StoreClient
     from regen.train.feed import FeedConfig, ShardFeed
     from regen.train.target import TargetContract, TargetFeatures
     from regen.train.target_head import target_revision
@@ -35,37 +47,36 @@ def roundtrip(target: str, shards: str, dtype: str) -> dict:
                        target_revision(target))
     feed = ShardFeed(shards, FeedConfig(max_len=64, max_tokens=256, max_batch=4, min_loss_tokens=4))
     out = {"microbatches": 0, "equal": 0, "max_abs_diff": 0.0, "alone_differs": 0, "rows": 0}
-    with MooncakeMaster(Path(shards).parent / "master.log") as master:
-        consumer = StoreClient(master.address, segment_bytes=64 << 20)
-        producer = StoreClient(master.address, segment_bytes=0)
-        for step in feed.steps(1):
-            for mb in step.microbatches:
-                taps, last = producer_side.features(mb.input_ids, mb.attention_mask)
-                header = make_header(spec, epoch=mb.epoch, index=mb.index, attempt=0, sample_ids=mb.sample_ids,
-                                     input_ids=mb.input_ids, attention_mask=mb.attention_mask,
-                                     producer={"id": "p", "engine": "transformers"}, stream_reading="test")
-                parts, n = encode(header, taps, last)
-                key = f"regen/roundtrip/{mb.index}"
-                producer.put(key, parts, n, preferred_segment=consumer.segment)
-                view, handle = consumer.get(key)
-                h = read_header(view)
-                check_header(h, spec, epoch=mb.epoch, index=mb.index, input_ids=mb.input_ids,
-                             attention_mask=mb.attention_mask)
-                got = decode(view, h)
-                del view, handle
-                consumer.remove([key])
-                want = trainer_side.features(mb.input_ids, mb.attention_mask)
-                out["microbatches"] += 1
-                out["rows"] += len(mb.sample_ids)
-                out["equal"] += int(all(torch.equal(a, b) for a, b in zip(got, want)))
-                out["max_abs_diff"] = max(out["max_abs_diff"], *(float((a.float() - b.float()).abs().max())
-                                                                 for a, b in zip(got, want)))
-                if mb.input_ids.shape[0] > 1:  # the same row computed alone, unpadded: does batching matter?
-                    n0 = int(mb.attention_mask[0].sum())
-                    alone = trainer_side.features(mb.input_ids[:1, :n0], mb.attention_mask[:1, :n0])
-                    out["alone_differs"] += int(not torch.equal(alone[0][0], want[0][0, :n0]))
-        producer.close()
-        consumer.close()
+    consumer = StoreClient(master.address, segment_bytes=64 << 20)
+    producer = StoreClient(master.address, segment_bytes=0)
+    for step in feed.steps(1):
+        for mb in step.microbatches:
+            taps, last = producer_side.features(mb.input_ids, mb.attention_mask)
+            header = make_header(spec, epoch=mb.epoch, index=mb.index, attempt=0, sample_ids=mb.sample_ids,
+                                 input_ids=mb.input_ids, attention_mask=mb.attention_mask,
+                                 producer={"id": "p", "engine": "transformers"}, stream_reading="test")
+            parts, n = encode(header, taps, last)
+            key = f"regen/roundtrip/{mb.index}"
+            producer.put(key, parts, n, preferred_segment=consumer.segment)
+            view, handle = consumer.get(key)
+            h = read_header(view)
+            check_header(h, spec, epoch=mb.epoch, index=mb.index, input_ids=mb.input_ids,
+                         attention_mask=mb.attention_mask)
+            got = decode(view, h)
+            del view, handle
+            consumer.remove([key])
+            want = trainer_side.features(mb.input_ids, mb.attention_mask)
+            out["microbatches"] += 1
+            out["rows"] += len(mb.sample_ids)
+            out["equal"] += int(all(torch.equal(a, b) for a, b in zip(got, want)))
+            out["max_abs_diff"] = max(out["max_abs_diff"], *(float((a.float() - b.float()).abs().max())
+                                                             for a, b in zip(got, want)))
+            if mb.input_ids.shape[0] > 1:  # the same row computed alone, unpadded: does batching matter?
+                n0 = int(mb.attention_mask[0].sum())
+                alone = trainer_side.features(mb.input_ids[:1, :n0], mb.attention_mask[:1, :n0])
+                out["alone_differs"] += int(not torch.equal(alone[0][0], want[0][0, :n0]))
+    producer.close()
+    consumer.close()
     return out
 
 

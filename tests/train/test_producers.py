@@ -138,23 +138,42 @@ def test_producers_leave_out_the_per_cell_held_out_picks_as_the_trainer_does(tin
     assert {"p" + sid for sid in trained} == set(pids) - picks
 
 
-@pytest.mark.parametrize("target,dtype", [("tiny", "float32"), ("tiny", "bfloat16"),
-                                          ("smollm2", "float32"), ("smollm2", "bfloat16")])
-def test_features_through_the_store_equal_in_process_exactly(tiny_target, tmp_path, target, dtype):
+FEATURE_CASES = [("tiny", "float32"), ("tiny", "bfloat16"), ("smollm2", "float32"), ("smollm2", "bfloat16")]
+
+
+@pytest.fixture(scope="module")
+def features_through_the_store(tiny_target, tmp_path_factory) -> dict:
+    """{(target, dtype): the driver's figures, or None where the target is not prepared}: every case of
+    FEATURE_CASES through one driver process and one Mooncake master (each case's own rows: 12 on the tiny target,
+    6 on SmolLM2)."""
     from train_helpers import ShardWriter, make_rows
 
     from regen.config import REPO_ROOT
 
-    path = tiny_target if target == "tiny" else REPO_ROOT / "data" / "models" / "smollm2-135m"
-    if not (path / "config.json").exists():
-        pytest.skip(f"{path} not prepared")
-    w = ShardWriter(tmp_path / "run")
-    w.add(make_rows(12 if target == "tiny" else 6, seed=3, vocab=500), complete=True)
-    cmd = loopback_only([sys.executable, str(HERE / "feature_drivers.py"), "roundtrip", str(path),
-                         str(tmp_path / "run" / "shards"), dtype])
-    proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600)
+    root = tmp_path_factory.mktemp("features-through-the-store")
+    paths = {"tiny": tiny_target, "smollm2": REPO_ROOT / "data" / "models" / "smollm2-135m"}
+    cases = {}
+    for target, dtype in FEATURE_CASES:
+        if not (paths[target] / "config.json").exists():
+            continue
+        run = root / f"{target}-{dtype}"
+        ShardWriter(run).add(make_rows(12 if target == "tiny" else 6, seed=3, vocab=500), complete=True)
+        cases[target, dtype] = [str(paths[target]), str(run / "shards"), dtype]
+    if not cases:
+        return dict.fromkeys(FEATURE_CASES)
+    cmd = loopback_only([sys.executable, str(HERE / "feature_drivers.py"), "roundtrip",
+                         *(arg for case in cases.values() for arg in case)])
+    proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    figures = dict(zip(cases, json.loads(proc.stdout.strip().splitlines()[-1])))
+    return {case: figures.get(case) for case in FEATURE_CASES}
+
+
+@pytest.mark.parametrize("target,dtype", FEATURE_CASES)
+def test_features_through_the_store_equal_in_process_exactly(features_through_the_store, target, dtype):
+    r = features_through_the_store[target, dtype]
+    if r is None:
+        pytest.skip(f"the {target} target is not prepared (bash scripts/setup.sh)")
     assert r["microbatches"] > 0 and r["equal"] == r["microbatches"] and r["max_abs_diff"] == 0.0, r
 
 
