@@ -250,5 +250,16 @@ def script_main(argv: list[str] | None = None) -> int:
     return exit_code(lambda: main(p.parse_args(argv)), "regen features produce")
 
 
+def exit_now(status: int) -> None:
+    """End this producer process with `status` once its logs are flushed, without the interpreter's finalization:
+    its work is reported and its store client closed (`main`), and tearing down the torch and transformers modules
+    alone took 0.65 s of CPU per exit (2026-12-07, AMD EPYC with avx512_bf16), paid while the pool waits for every
+    producer to end (`FeaturePool.end_local`)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(script_main())
+    exit_now(script_main())
