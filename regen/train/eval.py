@@ -166,19 +166,50 @@ def heldout_prompts(run, heldout, num_prompts: int | None) -> list[dict]:
     return ordered if num_prompts is None else ordered[:num_prompts]
 
 
-def greedy_reference(target, prompt_ids: list[int], num_tokens: int, stop_ids) -> tuple[list[int], list[int], object]:
+def greedy_continuations(target, prompts_ids: list[list[int]], num_tokens: int, stop_ids) -> list[list[int]]:
+    """prompt + greedy continuation (at most `num_tokens` new tokens, through the first of `stop_ids`) for each
+    prompt, generated in one left-padded batch: one cached decode of `num_tokens` steps for the whole batch
+    instead of one per prompt. The llama.cpp round trip's 8 prompts on SmolLM2 in fp32 (one AMD EPYC core, 57 new
+    tokens, with their feature passes): 7.3 s against 19.4 s one at a time, the same tokens, argmax and taps.
+
+    Padding changes the matmuls' shapes, so a row may break a near-tie otherwise than its single-prompt run would:
+    `greedy_reference(sequence=...)` cuts every row where it leaves the full pass's argmax, so what is replayed is
+    the target's greedy continuation either way (a row may only be shorter)."""
+    import torch
+
+    stops = list(stop_ids)
+    width = max(map(len, prompts_ids))
+    ids = torch.tensor([[stops[0]] * (width - len(p)) + list(p) for p in prompts_ids], device=target.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts_ids], device=target.device)
+    with torch.no_grad():
+        out = target.model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=num_tokens,
+                                    eos_token_id=stops, pad_token_id=stops[0])
+    seqs = []
+    for row, p in zip(out.tolist(), prompts_ids):
+        new = row[width:]  # a finished row is padded to the longest: keep it through its first stop token
+        end = next((k + 1 for k, t in enumerate(new) if t in stops), len(new))
+        seqs.append(list(p) + new[:end])
+    return seqs
+
+
+def greedy_reference(target, prompt_ids: list[int], num_tokens: int, stop_ids,
+                     sequence: list[int] | None = None) -> tuple[list[int], list[int], object]:
     """(sequence = prompt + greedy continuation, argmax after each position, taps [S, T·Ht]) from the target.
 
-    The continuation is cut where the cached generation and the full-pass argmax disagree (near-ties), so the
-    replay only uses positions where both agree.
+    `sequence`: prompt + continuation already generated (`greedy_continuations`, batched); None generates it
+    here, one prompt alone. The continuation is cut where the cached generation and the full-pass argmax
+    disagree (near-ties), so the replay only uses positions where both agree.
     """
     import torch
 
-    model = target.model
-    ids = torch.tensor([prompt_ids], device=target.device)
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=num_tokens,
-                             eos_token_id=list(stop_ids), pad_token_id=list(stop_ids)[0])
+    if sequence is None:
+        ids = torch.tensor([prompt_ids], device=target.device)
+        with torch.no_grad():
+            out = target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                        max_new_tokens=num_tokens, eos_token_id=list(stop_ids),
+                                        pad_token_id=list(stop_ids)[0])
+    else:
+        out = torch.tensor([sequence], device=target.device)
     seq = out[0].tolist()
     taps, last = target.features(out, torch.ones_like(out))
     argmax = target.logits(last[0]).argmax(-1).tolist()

@@ -173,6 +173,26 @@ def test_oracle_draft_on_a_real_target_reaches_full_blocks(tiny_target_dir):
     assert rounds and all(r.tau == K + 1 for r in rounds if not r.stopped)
 
 
+def test_batched_greedy_continuations_equal_one_prompt_at_a_time(tiny_target_dir):
+    """`greedy_continuations` (left-padded, one batch) gives each prompt the sequence, argmax and taps its own
+    generation gives, a row that stops early included (cut at its stop, not padded to the longest)."""
+    from regen.train.eval import greedy_continuations, greedy_reference
+    from regen.train.target import TargetContract, TargetFeatures
+
+    tf = TargetFeatures.from_pretrained(tiny_target_dir, TargetContract((0, 2)))
+    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16, 17]]
+    free = greedy_reference(tf, prompts[1], 20, [1])[0]
+    stop = [free[len(prompts[1]) + 3]]  # the 4th new token of the second prompt: that row stops there
+    single = [greedy_reference(tf, p, 20, stop) for p in prompts]
+    generated = greedy_continuations(tf, prompts, 20, stop)
+    batched = [greedy_reference(tf, p, 20, stop, sequence=g) for p, g in zip(prompts, generated)]
+    assert generated[1][-1] == stop[0] and len(generated[1]) <= len(prompts[1]) + 4
+    for (seq, argmax, taps), (bseq, bargmax, btaps) in zip(single, batched):
+        assert bseq == seq and bargmax == argmax
+        assert torch.allclose(btaps, taps, atol=1e-5)
+    assert max(len(g) for g in generated) > len(generated[1])  # the others ran past the early stop
+
+
 def test_confidence_threshold_cuts_blocks():
     from test_dspark_model import tiny_cfg
 

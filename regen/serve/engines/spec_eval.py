@@ -243,6 +243,9 @@ def speed(reference: list[dict], with_draft: list[dict]) -> dict:
             "in_flight": 1, "note": "decode tokens / decode seconds from llama.cpp's timings, one request at a time"}
 
 
+REFERENCE_BATCH = 8  # prompts per batched greedy generation of `regen_side` (the fp32 trainer target, on the CPU)
+
+
 def regen_side(train_cfg, prompts: list[dict], ddir: Path, max_new_tokens: int, *, engine_tokens=None) -> dict:
     """regen's own acc_len of the trained draft on the same prompts (trainer fp32 target): regen eval's protocol
     and the engine's budget rule; `engine_tokens` {gguf_type: [tokens per prompt]}: how much of each engine's
@@ -253,7 +256,7 @@ def regen_side(train_cfg, prompts: list[dict], ddir: Path, max_new_tokens: int, 
     from regen.config import resolve_path
     from regen.train.checkpoint import find_draft
     from regen.train.draft_config import DSparkConfig
-    from regen.train.eval import greedy_reference, proposal_table, replay_rounds, summarize
+    from regen.train.eval import greedy_continuations, greedy_reference, proposal_table, replay_rounds, summarize
     from regen.train.eval_cells import breakdown
     from regen.train.model import load_draft
     from regen.train.target import TargetContract, TargetFeatures
@@ -271,8 +274,11 @@ def regen_side(train_cfg, prompts: list[dict], ddir: Path, max_new_tokens: int, 
     standard, engine_rule, agree = [], [], {k: [] for k in (engine_tokens or {})}
     per_prompt: dict[str, list] = {"protocol": [], "engine_budget_rule": []}  # (prompt, rounds) for the cells
     with torch.no_grad():
+        generated = [seq for i in range(0, len(prompts), REFERENCE_BATCH) for seq in greedy_continuations(
+            target, [p["prompt_ids"] for p in prompts[i:i + REFERENCE_BATCH]], max_new_tokens + K + 1, stop)]
         for n, p in enumerate(prompts):
-            seq, argmax, taps = greedy_reference(target, p["prompt_ids"], max_new_tokens + K + 1, stop)
+            seq, argmax, taps = greedy_reference(target, p["prompt_ids"], max_new_tokens + K + 1, stop,
+                                                 sequence=generated[n])
             P = len(p["prompt_ids"])
             table = proposal_table(draft, taps, seq, P)
             std = replay_rounds(lambda pos, t=table: t[pos - P], seq, argmax, P, max_new_tokens=max_new_tokens,
