@@ -203,13 +203,8 @@ def greedy_reference(target, prompt_ids: list[int], num_tokens: int, stop_ids,
     import torch
 
     if sequence is None:
-        ids = torch.tensor([prompt_ids], device=target.device)
-        with torch.no_grad():
-            out = target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                        max_new_tokens=num_tokens, eos_token_id=list(stop_ids),
-                                        pad_token_id=list(stop_ids)[0])
-    else:
-        out = torch.tensor([sequence], device=target.device)
+        sequence = greedy_continuations(target, [prompt_ids], num_tokens, stop_ids)[0]
+    out = torch.tensor([sequence], device=target.device)
     seq = out[0].tolist()
     taps, last = target.features(out, torch.ones_like(out))
     argmax = target.logits(last[0]).argmax(-1).tolist()
